@@ -1,0 +1,101 @@
+"""Byte sizes: parse ``"18GiB"`` / ``"512MiB"`` / ``0.8`` and print bytes as GiB.
+
+Bytes are ``int`` everywhere inside the package; they become GiB (1024³) only when logged or printed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Union
+
+__all__ = ["GiB", "MiB", "KiB", "parse_size", "parse_size_or_fraction", "format_bytes", "to_gib"]
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+
+_UNITS = {
+    "b": 1,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1024**4,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_HELP = "a size such as '18GiB', '512MiB', '2.5GB' or an int number of bytes"
+
+
+def parse_size(value: Union[int, str], *, name: str = "size") -> int:
+    """Parse a byte size into a positive ``int``.
+
+    Args:
+        value: an ``int`` number of bytes or a string with a binary (``KiB``, ``MiB``, ``GiB``, ``TiB``) or
+            decimal (``KB``, ``MB``, ``GB``, ``TB``) unit; a bare numeric string means bytes.
+        name: the argument name used in error messages.
+
+    Raises:
+        TypeError: for ``bool`` or other non-size types.
+        ValueError: for malformed, unknown-unit, non-finite, zero or negative sizes.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{name}={value!r} is not a size; pass {_SIZE_HELP}.")
+    if isinstance(value, int):
+        number, unit = float(value), "b"
+    else:
+        match = _SIZE_RE.match(value)
+        if not match:
+            raise ValueError(f"{name}={value!r} is not a size; pass {_SIZE_HELP}.")
+        number, unit = float(match.group(1)), (match.group(2) or "b").lower()
+        if unit not in _UNITS:
+            raise ValueError(
+                f"{name}={value!r} has an unknown unit {match.group(2)!r}; valid units are "
+                f"{', '.join(('B', 'KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB', 'TB'))}."
+            )
+    size = number * _UNITS[unit]
+    if not math.isfinite(size) or size <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive size; pass {_SIZE_HELP}.")
+    return int(size)
+
+
+def parse_size_or_fraction(value: Union[int, float, str], *, name: str = "threshold") -> Union[int, float]:
+    """Parse a size (returns ``int`` bytes) or a fraction of capacity in ``(0, 1]`` (returns ``float``).
+
+    A float, or a string that parses as a plain number ≤ 1 with a decimal point (``"0.8"``), is a fraction;
+    everything else is a size handed to :func:`parse_size`.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be a size ('18GiB') or a fraction of capacity (0.8), not a bool.")
+    if isinstance(value, str):
+        try:
+            as_float = float(value)
+        except ValueError:
+            return parse_size(value, name=name)
+        if "." in value or "e" in value.lower():
+            value = as_float
+    if isinstance(value, float):
+        if not math.isfinite(value) or not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"{name}={value!r} is not a valid fraction of capacity; a fraction must lie in (0, 1] "
+                f"(e.g. 0.8), or pass {_SIZE_HELP}."
+            )
+        return value
+    return parse_size(value, name=name)
+
+
+def to_gib(num_bytes: int) -> float:
+    """Bytes as binary gigabytes (1024³)."""
+    return num_bytes / GiB
+
+
+def format_bytes(num_bytes: int) -> str:
+    """Human-readable binary size, e.g. ``'2.42 GiB'``, ``'16.0 MiB'``."""
+    size = float(num_bytes)
+    for unit, scale in (("TiB", 1024**4), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(size) >= scale:
+            return f"{size / scale:.2f} {unit}" if unit in ("TiB", "GiB") else f"{size / scale:.1f} {unit}"
+    return f"{int(size)} B"
