@@ -51,7 +51,8 @@ class CausalLMMixin:
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(batch)
-        self.log("val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].size(0))
+        # sync_dist: an epoch-level metric should be the mean over ranks, not rank 0's share.
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].size(0))
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
