@@ -1,0 +1,122 @@
+"""Out-of-memory diagnosis by phase: where a step died says which ledger line to suspect.
+
+From the seed's "What to do on Monday morning":
+
+- before a meaningful forward: parameters, inputs, initialization, or preallocated sharding state;
+- forward / start of backward, peak scaling with depth or tokens: retained activations;
+- backward despite checkpointing: attention workspaces and un-checkpointed kernels (or the replay transient);
+- the **first** ``optimizer.step()``: lazy optimizer-state allocation;
+- a later optimizer step: not the state itself (it exists already) — temporaries, fragmentation, or growth.
+
+:class:`PhaseTracker` is a tiny state machine the callback advances from its hooks; :func:`diagnose` turns a
+phase and the last measured ledger into the text attached to the re-raised error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional
+
+__all__ = ["PHASES", "PhaseTracker", "OutOfMemoryDiagnosis", "diagnose", "is_out_of_memory"]
+
+PHASES = ("before_forward", "forward", "backward", "first_optimizer_step", "optimizer_step")
+
+_SUSPECTS: Dict[str, str] = {
+    "before_forward": (
+        "the step died before a meaningful forward pass: suspect parameters, inputs, initialization, or "
+        "preallocated sharding state. Activation checkpointing cannot help here; reduce model state (lower "
+        "precision, sharding, offload) or the input size."
+    ),
+    "forward": (
+        "the step died in the forward pass: suspect retained activations, which grow with depth and with tokens "
+        "(micro-batch × sequence length). Checkpoint more blocks (policy 'all', 'group:sqrt' or 'offload'), "
+        "reduce the micro-batch and use gradient accumulation, or use a fused attention kernel."
+    ),
+    "backward": (
+        "the step died in the backward pass: with few blocks checkpointed, suspect retained activations; with "
+        "checkpointing on, suspect the replay transient of a large region (use smaller regions than 'group:K'), "
+        "attention workspaces or un-checkpointed kernels, especially at long sequence lengths."
+    ),
+    "first_optimizer_step": (
+        "the step died at the first optimizer.step(): suspect lazy optimizer-state allocation (Adam allocates "
+        "two moments per parameter here). Checkpointing will not rescue this run: use an optimizer with a "
+        "smaller state, parameter-efficient fine-tuning, sharding or optimizer offload."
+    ),
+    "optimizer_step": (
+        "the step died in a later optimizer.step(): the optimizer state already existed, so suspect temporaries "
+        "of the update, fragmentation (compare reserved with allocated), or memory that grows across steps."
+    ),
+}
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for ``torch.OutOfMemoryError`` and allocator errors (CUDA or CPU) that say memory ran out."""
+    import torch
+
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    text = str(error).lower()
+    # the CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: not enough memory")
+    return isinstance(error, oom_type) or "out of memory" in text or "not enough memory" in text
+
+
+@dataclass
+class PhaseTracker:
+    """Where the current training step is; advanced by the callback's hooks (no torch, no Lightning)."""
+
+    phase: str = "before_forward"
+    optimizer_steps: int = 0
+    history: Dict[str, int] = field(default_factory=dict)
+
+    def batch_start(self) -> None:
+        self.phase = "before_forward"
+
+    def forward_start(self) -> None:
+        if self.phase == "before_forward":
+            self.phase = "forward"
+
+    def backward_start(self) -> None:
+        self.phase = "backward"
+
+    def optimizer_step_start(self) -> None:
+        self.phase = "first_optimizer_step" if self.optimizer_steps == 0 else "optimizer_step"
+
+    def optimizer_step_end(self) -> None:
+        self.optimizer_steps += 1
+        self.phase = "before_forward"
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"optimizer_steps": self.optimizer_steps}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+
+
+def diagnose(phase: str, ledger_lines: Optional[Mapping[str, float]] = None, capacity: Optional[int] = None) -> str:
+    """The text for an out-of-memory error in ``phase``, with the last measured ledger (GiB values)."""
+    if phase not in _SUSPECTS:
+        raise ValueError(f"phase={phase!r} is not one of {list(PHASES)}.")
+    label = phase.replace("_", " ")
+    lines = [f"lightning_ckpt: CUDA out of memory during the {label} phase — {_SUSPECTS[phase]}"]
+    if ledger_lines:
+        cap = f" of {capacity / 2**30:.2f} GiB capacity" if capacity else ""
+        lines.append(f"Ledger at the last measured step{cap}:")
+        for name, gib in ledger_lines.items():
+            share = f"  ({gib * 2**30 / capacity:6.1%})" if capacity else ""
+            lines.append(f"  {name:<22} {gib:10.3f} GiB{share}")
+    else:
+        lines.append("No step was measured before the error (it happened in the first step).")
+    return "\n".join(lines)
+
+
+import torch as _torch  # noqa: E402  (only for the exception base class)
+
+
+class OutOfMemoryDiagnosis(_torch.OutOfMemoryError):
+    """Raised from the original out-of-memory error (``__cause__``) with the phase diagnosis as message.
+
+    It is itself a ``torch.OutOfMemoryError``, so code that catches that type keeps working.
+    """
+
+    def __init__(self, message: str, phase: str) -> None:
+        super().__init__(message)
+        self.phase = phase
