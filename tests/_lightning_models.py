@@ -1,0 +1,255 @@
+"""Small LightningModules and helper callbacks shared by the Lightning-edge tests (CPU, seconds)."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+VOCAB = 16
+SEQ = 8
+
+
+class CountingBlock(nn.TransformerEncoderLayer):
+    """A Transformer block whose forward *body* counts its calls, so a recompute counts twice."""
+
+    def __init__(
+        self, d_model: int = 32, nhead: int = 4, dim_feedforward: int = 64, dropout: float = 0.0
+    ) -> None:
+        super().__init__(d_model, nhead, dim_feedforward=dim_feedforward, dropout=dropout, batch_first=True)
+        self.calls = 0
+
+    def forward(self, src, *args, **kwargs):
+        self.calls += 1
+        return super().forward(src, *args, **kwargs)
+
+
+def token_dataset(n: int = 64, seed: int = 0) -> TensorDataset:
+    """Next-token task on random sequences: the target of token t is (t + 1) mod VOCAB."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return TensorDataset(x, (x + 1) % VOCAB)
+
+
+class TinyTransformer(LightningModule):
+    """Embedding → ``num_layers`` × :class:`CountingBlock` in ``self.layers`` → linear head.
+
+    Args:
+        build_in: where the blocks are created: ``"init"``, ``"setup"`` or ``"configure_model"``.
+        unused_param: add a parameter that never receives a gradient (DDP ``find_unused_parameters``).
+        optimizer: ``"adam"`` or ``"sgd"``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int = 4,
+        d_model: int = 32,
+        dropout: float = 0.0,
+        lr: float = 1e-2,
+        batch_size: int = 8,
+        n_samples: int = 64,
+        build_in: str = "init",
+        unused_param: bool = False,
+        optimizer: str = "adam",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layers = None
+        if unused_param:
+            self.unused = nn.Linear(2, 2)
+        if build_in == "init":
+            self._build()
+
+    def _build(self) -> None:
+        if self.layers is not None:
+            return
+        h = self.hparams
+        self.embed = nn.Embedding(VOCAB, h.d_model)
+        self.layers = nn.ModuleList(CountingBlock(h.d_model, dropout=h.dropout) for _ in range(h.num_layers))
+        self.head = nn.Linear(h.d_model, VOCAB)
+
+    def setup(self, stage: str) -> None:
+        if self.hparams.build_in == "setup":
+            self._build()
+
+    def configure_model(self) -> None:
+        if self.hparams.build_in == "configure_model":
+            self._build()
+
+    # -- model
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+    def block_calls(self) -> list:
+        return [layer.calls for layer in self.layers]
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._loss(batch))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+    # -- data (deterministic, no shuffling, so runs are comparable)
+    def _loader(self, seed: int) -> DataLoader:
+        return DataLoader(token_dataset(self.hparams.n_samples, seed), batch_size=self.hparams.batch_size)
+
+    def train_dataloader(self):
+        if self.trainer.world_size == 1:
+            return self._loader(0)
+        # unshuffled shards (rank r: samples r, r + W, ...), so W ranks × batch b see exactly the samples one
+        # process sees with batch W × b; pair with Trainer(use_distributed_sampler=False)
+        dataset = token_dataset(self.hparams.n_samples, 0)
+        sampler = DistributedSampler(
+            dataset, self.trainer.world_size, self.trainer.global_rank, shuffle=False
+        )
+        return DataLoader(dataset, batch_size=self.hparams.batch_size, sampler=sampler)
+
+    def val_dataloader(self):
+        return self._loader(1)
+
+    def test_dataloader(self):
+        return self._loader(2)
+
+    def predict_dataloader(self):
+        return self._loader(3)
+
+
+class TokenDataModule(LightningDataModule):
+    """The same data as :class:`TinyTransformer`'s own loaders, for LightningCLI scripts."""
+
+    def __init__(self, batch_size: int = 8, n_samples: int = 32) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.n_samples = n_samples
+
+    def train_dataloader(self):
+        return DataLoader(token_dataset(self.n_samples, 0), batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(token_dataset(self.n_samples, 1), batch_size=self.batch_size)
+
+
+class CallRecorder(Callback):
+    """Records, per batch, how many times each block's forward body ran (train/val/test/predict/sanity)."""
+
+    def __init__(self) -> None:
+        self.records = {"train": [], "val": [], "sanity": [], "test": [], "predict": []}
+        self.modes_at_first_step = None
+        self._before = None
+
+    def _start(self, pl_module) -> None:
+        self._before = pl_module.block_calls()
+
+    def _end(self, trainer, pl_module, kind: str) -> None:
+        delta = [a - b for a, b in zip(pl_module.block_calls(), self._before)]
+        if kind == "val" and trainer.sanity_checking:
+            kind = "sanity"
+        self.records[kind].append(delta)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.modes_at_first_step is None:
+            plan = getattr(pl_module, "_lightning_ckpt_plan", None)
+            self.modes_at_first_step = None if plan is None else plan.modes
+        self._start(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._end(trainer, pl_module, "train")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._start(pl_module)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._end(trainer, pl_module, "val")
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._start(pl_module)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._end(trainer, pl_module, "test")
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._start(pl_module)
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._end(trainer, pl_module, "predict")
+
+
+class CrashAt(Callback):
+    """Raises at the start of global step ``step`` (a simulated failure)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"simulated crash at step {self.step}")
+
+
+class DumpState(Callback):
+    """Writes each rank's parameters, plan state and per-step block calls to ``out_dir/rank{r}.pt``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.calls = CallRecorder()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.calls.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.calls.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_train_end(self, trainer, pl_module):
+        plan = getattr(pl_module, "_lightning_ckpt_plan", None)
+        torch.save(
+            {
+                "params": params_of(pl_module),
+                "plan": None if plan is None else plan.state_dict(),
+                "calls": self.calls.records["train"],
+                "world_size": trainer.world_size,
+                "strategy": type(trainer.strategy).__name__,
+            },
+            f"{self.out_dir}/rank{trainer.global_rank}.pt",
+        )
+
+
+def trainer_kwargs(tmp_path, **overrides) -> dict:
+    """Quiet, CPU, tiny Trainer settings."""
+    kwargs = dict(
+        default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def params_of(module: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
