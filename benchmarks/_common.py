@@ -1,0 +1,333 @@
+"""Shared helpers for the scripts in ``benchmarks/``: environment header, models, memory tracker, timers.
+
+Nothing here imports Lightning. The activation numbers come from PyTorch's own live-tensor tracker
+(``torch.distributed._tools.mem_tracker.MemTracker``), not from :mod:`lightning_ckpt.meter`, so the benchmark
+checks the plugin with an instrument the plugin does not own.
+
+How the activation peak is read (and why not simply ``get_tracker_snapshot("peak")``):
+
+* ``MemTracker.get_tracker_snapshot("peak")[device]`` is the breakdown *at the moment the Total peaked*. Its
+  ``_MemRefType.ACT`` entry is therefore "activations when everything together was highest", which can be
+  lower than the highest activation level of the step (gradients and temporaries shift when Total peaks).
+  :class:`ActivationPeakTracker` keeps a running maximum of the ACT line itself, updated on every change to
+  the tracker's current snapshot, per device.
+* Stock ``MemTracker`` labels tensors created during backward as ``TEMP`` unless a module's forward
+  pre-hook fired during backward (its heuristic for "we are inside an activation-checkpoint replay"). A replay
+  that re-runs a function rather than an ``nn.Module`` call (a patched ``block.forward``, a residual add between
+  two sub-modules) is then counted as ``TEMP`` and the replayed interior disappears from ACT.
+  :class:`ActivationPeakTracker` also labels as ACT every tensor created in backward *while grad mode is on*:
+  the autograd engine runs backward formulas with grad mode off (``create_graph=False``) and non-reentrant
+  ``torch.utils.checkpoint`` replays the forward under ``torch.enable_grad()``, so this picks out exactly the
+  recomputation. ``verify_tracker()`` checks both points on a hand-written chain whose answer is known.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.utils.checkpoint import checkpoint
+
+MIB = 1024**2
+_CPU = torch.device("cpu")
+
+from lightning_ckpt.demos.gpt import GPT, GPTConfig  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------ environment
+
+
+def header_lines(argv: Optional[List[str]] = None) -> List[str]:
+    """Torch version, threads and the exact command, for the top of every benchmark printout."""
+    argv = sys.argv if argv is None else argv
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except ImportError:  # pragma: no cover - transformers is a test dependency
+        tf = "not installed"
+    return [
+        f"command: {' '.join(shlex.quote(a) for a in [os.path.basename(sys.executable), *argv])}",
+        f"torch {torch.__version__} | transformers {tf} | python {platform.python_version()} | "
+        f"{platform.machine()} | torch.get_num_threads()={torch.get_num_threads()} | os.cpu_count()={os.cpu_count()}",
+    ]
+
+
+# ------------------------------------------------------------------------------------------ memory tracker
+
+
+class ActivationPeakTracker(MemTracker):
+    """``MemTracker`` that also keeps the running peak of the ACT line and counts replays as ACT.
+
+    Use one instance per measured step (``MemTracker`` refuses a second iteration of the same root module).
+
+    Attributes:
+        act_peak: per device, the highest number of bytes labelled ACT at any moment inside the context.
+    """
+
+    def __init__(self, stock_labels: bool = False) -> None:
+        super().__init__()
+        self.act_peak: Dict[torch.device, int] = {}
+        self._in_ac_by_hook = False
+        self._stock_labels = stock_labels  # True: MemTracker's own ACT/TEMP labelling (for verify_tracker)
+
+    # MemTracker decides the label of a new tensor with ``is_bw and not self._in_ac``; make replays ACT.
+    @property
+    def _in_ac(self) -> bool:  # type: ignore[override]
+        if self._in_ac_by_hook or self._stock_labels:
+            return self._in_ac_by_hook
+        return self._mod_tracker.is_bw and torch.is_grad_enabled()
+
+    @_in_ac.setter
+    def _in_ac(self, value: bool) -> None:
+        self._in_ac_by_hook = value
+
+    def _update_snap(self, *args, **kwargs) -> None:  # type: ignore[override]
+        super()._update_snap(*args, **kwargs)
+        for dev, snap in self._curr_mem_snap.items():
+            act = snap[_MemRefType.ACT]
+            if act > self.act_peak.get(dev, 0):
+                self.act_peak[dev] = act
+
+
+@dataclass
+class MemoryReading:
+    """One tracked step, in bytes (CPU device)."""
+
+    act_peak: int  # running max of the ACT line
+    act_at_total_peak: int  # ACT entry of get_tracker_snapshot("peak") (for reference)
+    total_peak: int  # peak of all tracked categories together
+
+    def as_dict(self) -> Dict[str, int]:
+        return dict(act_peak=self.act_peak, act_at_total_peak=self.act_at_total_peak, total_peak=self.total_peak)
+
+
+def measure_memory(
+    fn: Callable[[], None], external: Tuple = (), device: torch.device = _CPU, stock_labels: bool = False
+) -> MemoryReading:
+    """Run ``fn`` (one forward+backward) under a fresh :class:`ActivationPeakTracker`.
+
+    ``external`` objects (modules, tensors) created before the call are registered with ``track_external``
+    first; tensors registered that way are labelled PARAM/BUFFER/OTH and never ACT.
+    """
+    gc.collect()
+    tracker = ActivationPeakTracker(stock_labels=stock_labels)
+    if external:
+        tracker.track_external(*external)
+    with tracker:
+        fn()
+    peak = tracker.get_tracker_snapshot("peak").get(device, {})
+    return MemoryReading(
+        act_peak=int(tracker.act_peak.get(device, 0)),
+        act_at_total_peak=int(peak.get(_MemRefType.ACT, 0)),
+        total_peak=int(peak.get("Total", 0)),
+    )
+
+
+def measure_block_interior(block: nn.Module, shape: Tuple[int, ...], dtype=torch.float32) -> int:
+    """ACT peak of one block's forward+backward alone, without its input boundary.
+
+    The input (requires grad) and the output gradient are made outside the tracker and registered with
+    ``track_external`` so that they count as OTH, not ACT: the reading is the block's interior plus its
+    output, i.e. what replaying this block adds on top of the boundaries that are kept anyway.
+    """
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    grad = torch.randn(shape, dtype=dtype)
+
+    def fn() -> None:
+        out = block(x)
+        out.backward(grad)
+
+    reading = measure_memory(fn, external=(block, x, grad))
+    block.zero_grad(set_to_none=True)
+    return reading.act_peak
+
+
+class _Chain(nn.Module):
+    """``x + tanh(tanh(tanh(2x)))``: three saved tensors per block, one transient, one output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(torch.tanh(torch.tanh(x * 2)))
+
+
+def verify_tracker(num_blocks: int = 6, numel: int = 1 << 18) -> List[Dict[str, float]]:
+    """Check :class:`ActivationPeakTracker` on a chain of :class:`_Chain` blocks whose answer is known by hand.
+
+    Units of S = one block-sized float32 tensor; the chain input is registered as OTH (not ACT).
+
+    * ``none``: block k leaves its 3 tanh outputs; at the last block's add, 3(L-1) saved + input + 3 saved +
+      output are alive and the input (block L-1's output) is still referenced: **3L + 2**.
+    * every block under non-reentrant ``checkpoint`` (as a module or as a plain function): the forward peaks at
+      (L-1) boundaries + 2 transients = L+1; in backward the L boundaries (out_1..out_L, the last one held by
+      the caller) are alive while the last block is replayed: 2x, then tanh keeps 3 outputs and early stop skips
+      the add: **L + 3**.
+
+    Returns:
+        One dict per case: ``measured`` (this tracker, running ACT max), ``stock`` (plain ``MemTracker``
+        labelling, running ACT max), ``stock_peak_snapshot`` (ACT in ``get_tracker_snapshot("peak")`` of plain
+        ``MemTracker``) and ``expected``, all in S. Raises ``AssertionError`` if ``measured`` is off.
+    """
+    S = numel * 4
+    rows = []
+    expected = {"none": 3 * num_blocks + 2, "checkpoint(module)": num_blocks + 3, "checkpoint(fn)": num_blocks + 3}
+    for case, want in expected.items():
+        readings = []
+        for stock in (False, True):
+            torch.manual_seed(0)
+            blocks = [_Chain() for _ in range(num_blocks)]
+            x0 = torch.randn(numel, requires_grad=True)
+
+            def fn() -> None:
+                x = x0
+                for b in blocks:
+                    if case == "none":
+                        x = b(x)
+                    elif case == "checkpoint(fn)":
+                        x = checkpoint(b.forward, x, use_reentrant=False)
+                    else:
+                        x = checkpoint(b, x, use_reentrant=False)
+                x.sum().backward()
+
+            readings.append(measure_memory(fn, external=(x0,), stock_labels=stock))
+        got = readings[0].act_peak / S
+        rows.append(
+            dict(
+                case=case,
+                measured=got,
+                stock=readings[1].act_peak / S,
+                stock_peak_snapshot=readings[1].act_at_total_peak / S,
+                expected=float(want),
+            )
+        )
+        # the scalar loss and its grad seed add a few bytes: compare to 1/1000 of S
+        assert abs(got - want) < 1e-3, f"ActivationPeakTracker: {case}: measured {got:.4f} S, expected {want} S"
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def build_gpt(cfg: GPTConfig, seed: int = 0) -> GPT:
+    """The demo GPT in training mode, seeded."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    model.train()
+    return model
+
+
+class HandCheckpointedGPT(nn.Module):
+    """A GPT whose forward loops its blocks by hand with ``checkpoint(block, x, use_reentrant=False)``.
+
+    It mirrors :meth:`lightning_ckpt.demos.gpt.GPT.forward` line for line; only the block loop differs. This is
+    the baseline for the wrapper's own overhead.
+    """
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor):
+        tr = self.gpt.transformer
+        _, T = idx.shape
+        pos = torch.arange(T, device=idx.device)
+        x = tr.drop(tr.wte(idx) + tr.wpe(pos))
+        for block in tr.h:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.gpt.lm_head(tr.ln_f(x))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+
+def build_hf_gpt2(n_layer: int, n_embd: int, n_head: int, n_positions: int, vocab_size: int, seed: int = 0):
+    """A Hugging Face ``GPT2LMHeadModel`` from config (no download): all dropouts 0, SDPA attention, no cache."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+
+    cfg = GPT2Config(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_positions=n_positions,
+        vocab_size=vocab_size,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+        use_cache=False,
+        bos_token_id=0,  # the GPT-2 default 50256 is outside a 512-token vocabulary
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(cfg)
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def clone_model(model: nn.Module) -> nn.Module:
+    """An identical copy (same weights, same mode)."""
+    return copy.deepcopy(model)
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+@dataclass
+class StepTime:
+    total: float  # zero_grad + forward + backward, wall seconds
+    forward: float
+    backward: float
+    cpu_total: float  # the same intervals in process CPU seconds (all threads of this process)
+    cpu_forward: float
+    cpu_backward: float
+
+
+def timed_step(model: nn.Module, forward: Callable[[], torch.Tensor]) -> StepTime:
+    """``zero_grad(set_to_none=True)`` + forward + backward, timed with ``perf_counter`` (CPU: no sync needed).
+
+    No optimizer step: the benchmark compares activation schedules, which the optimizer does not see.
+    Process CPU time (``time.process_time``) is recorded beside wall time: on a shared machine other
+    processes stretch wall time while barely changing the CPU seconds this process needs.
+    """
+    gc.collect()
+    c0, t0 = time.process_time(), time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    c1, t1 = time.process_time(), time.perf_counter()
+    loss = forward()
+    c2, t2 = time.process_time(), time.perf_counter()
+    loss.backward()
+    t3, c3 = time.perf_counter(), time.process_time()
+    del loss
+    return StepTime(t3 - t0, t2 - t1, t3 - t2, c3 - c0, c2 - c1, c3 - c2)
+
+
+def load_average() -> Optional[Tuple[float, float, float]]:
+    """``os.getloadavg()`` where available (1, 5, 15 minutes), else ``None``."""
+    try:
+        return tuple(round(x, 2) for x in os.getloadavg())  # type: ignore[return-value]
+    except (AttributeError, OSError):
+        return None
+
+
+def median(xs: List[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def mib(n: float) -> float:
+    return n / MIB

@@ -1,0 +1,48 @@
+"""Smoke test for ``benchmarks/policies.py``: the quick configuration runs and writes sane JSON.
+
+The benchmark itself is a script (``benchmarks/`` is never collected); this runs it as a subprocess so the
+script's own ``sys.path`` handling and exit status are exercised exactly as a user would run it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "policies.py"
+POLICIES = ("none", "every:2", "group:sqrt", "selective", "all", "offload")
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.timeout(180)
+def test_policies_quick_json(tmp_path):
+    out = tmp_path / "policies.json"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "command:" in proc.stdout and "torch " in proc.stdout
+
+    data = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in data["rows"]}
+    for policy in POLICIES:
+        assert policy in rows, f"no row for {policy!r}; rows: {sorted(rows)}"
+        assert rows[policy]["act_peak_bytes"] > 0, rows[policy]
+        assert rows[policy]["step_s_median"] > 0, rows[policy]
+    assert rows["all"]["act_peak_bytes"] < rows["none"]["act_peak_bytes"]
+    # checkpointing computes the same function: bitwise-equal gradients on CPU in float32
+    for policy in POLICIES:
+        assert rows[policy]["grad_max_abs_diff"] == 0.0, (policy, rows[policy]["grad_max_abs_diff"])
+    # the tracker's self-check on a hand-computed chain is part of every run
+    assert all(abs(r["measured"] - r["expected"]) < 1e-3 for r in data["tracker_check"])
+    names = {t["name"] for t in data["targets"]}
+    assert any(n.startswith("all: activation peak") for n in names)
