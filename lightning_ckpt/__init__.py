@@ -1,23 +1,43 @@
-"""lightning_ckpt: activation checkpointing as a scheduling decision, for PyTorch Lightning."""
+"""lightning_ckpt: activation checkpointing as a scheduling decision, for PyTorch Lightning.
+
+Importing the package registers the ``*_ac`` strategies (``single_device_ac``, ``ddp_ac``, ``ddp_spawn_ac``,
+``ddp_fork_ac``, ``fsdp_ac``) in Lightning's ``StrategyRegistry``.
+"""
 
 from lightning_ckpt.blocks import find_blocks
+from lightning_ckpt.callback import ActivationCheckpointing
 from lightning_ckpt.policy import GRAMMAR, MODES, Policy, parse_policy
+from lightning_ckpt.strategy import (
+    ActivationCheckpointingMixin,
+    DDPActivationCheckpointingStrategy,
+    FSDPActivationCheckpointingStrategy,
+    SingleDeviceActivationCheckpointingStrategy,
+    register_strategies,
+)
 from lightning_ckpt.units import format_bytes, parse_size
 from lightning_ckpt.wrap import CheckpointPlan, ForeignCheckpointingError, apply_policy, get_plan, remove_checkpointing
 
 __version__ = "0.1.0"
 
+register_strategies()
+
 __all__ = [
+    "ActivationCheckpointing",
+    "ActivationCheckpointingMixin",
     "CheckpointPlan",
+    "DDPActivationCheckpointingStrategy",
+    "FSDPActivationCheckpointingStrategy",
     "ForeignCheckpointingError",
     "GRAMMAR",
     "MODES",
     "Policy",
+    "SingleDeviceActivationCheckpointingStrategy",
     "apply_policy",
     "find_blocks",
     "format_bytes",
     "get_plan",
     "parse_policy",
     "parse_size",
+    "register_strategies",
     "remove_checkpointing",
 ]
