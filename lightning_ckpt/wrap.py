@@ -23,6 +23,9 @@ own code between two blocks are stored normally, outside the region.
 
 Recompute happens only while the block is training and grad is enabled: ``eval()``, ``torch.no_grad()`` and
 ``torch.inference_mode()`` always take the plain forward.
+
+Replays can be observed with :func:`register_replay_hook` (the activation meter measures the transient interior
+of a block while it is replayed in backward this way). Without a registered hook nothing extra runs.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import functools
 import inspect
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.utils.checkpoint as _cp
@@ -48,6 +51,7 @@ __all__ = [
     "remove_checkpointing",
     "get_plan",
     "ForeignCheckpointingError",
+    "register_replay_hook",
 ]
 
 _PLAN_ATTR = "_lightning_ckpt_plan"
@@ -138,9 +142,10 @@ class _BlockForward:
         if mode == "offload":
             with _OffloadToHost():
                 return self.run(*args, **kwargs)
+        fn = _observed(self, self.run) if _REPLAY_HOOKS else self.run
         if _RESERVED_KWARGS.intersection(kwargs):
-            return _cp.checkpoint(lambda *a: self.run(*a, **kwargs), *args, **self.shared.checkpoint_kwargs(mode))
-        return _cp.checkpoint(self.run, *args, **self.shared.checkpoint_kwargs(mode), **kwargs)
+            return _cp.checkpoint(lambda *a: fn(*a, **kwargs), *args, **self.shared.checkpoint_kwargs(mode))
+        return _cp.checkpoint(fn, *args, **self.shared.checkpoint_kwargs(mode), **kwargs)
 
     def __repr__(self) -> str:
         return f"<lightning_ckpt forward of {self.name} mode={self.mode}>"
@@ -167,6 +172,75 @@ def _unpack_from_host(packed):
         return packed
     device, host = packed
     return host.to(device, non_blocking=host.is_pinned())
+
+
+# ---------------------------------------------------------------------------------------------- replay hooks
+
+_REPLAY_HOOKS: List[Callable[..., Any]] = []
+
+
+class _ReplayHookHandle:
+    """Returned by :func:`register_replay_hook`; ``remove()`` unregisters the hook (idempotent)."""
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+
+    def remove(self) -> None:
+        for i in range(len(_REPLAY_HOOKS) - 1, -1, -1):
+            if _REPLAY_HOOKS[i] is self.hook:
+                del _REPLAY_HOOKS[i]
+                return
+
+    def __enter__(self) -> "_ReplayHookHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def register_replay_hook(hook: Callable[..., Any]) -> _ReplayHookHandle:
+    """Observe every backward replay of a checkpointed region (all plans, all models).
+
+    ``hook(owner, fn, args, kwargs)`` is called instead of ``fn(*args, **kwargs)`` each time a region is
+    recomputed in backward, and must call ``fn(*args, **kwargs)`` exactly once and return its result (it may
+    do work before and after, e.g. push a ``TorchDispatchMode``). ``owner`` is the block's forward object
+    (attributes ``index``, ``name``, ``mode``, ``block``, ``shared``) for a block that is its own region, or the
+    group region (attribute ``members``: the forward objects of its blocks, in order) for ``group:K``. The
+    first, forward execution of a region is not reported. Only regions entered while at least one hook is
+    registered are observed. Hooks registered later wrap earlier ones.
+
+    Returns:
+        A handle whose ``remove()`` unregisters the hook.
+    """
+    if not callable(hook):
+        raise TypeError(f"register_replay_hook: hook={hook!r} is not callable; pass a function "
+                        "hook(owner, fn, args, kwargs) that calls fn(*args, **kwargs) and returns its result.")
+    _REPLAY_HOOKS.append(hook)
+    return _ReplayHookHandle(hook)
+
+
+def _notify_replay(owner: Any, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+    for hook in _REPLAY_HOOKS[:-1]:
+        fn = functools.partial(_call_hook, hook, owner, fn)
+    return _REPLAY_HOOKS[-1](owner, fn, args, kwargs) if _REPLAY_HOOKS else fn(*args, **kwargs)
+
+
+def _call_hook(hook, owner, fn, *args, **kwargs):
+    return hook(owner, fn, args, kwargs)
+
+
+def _observed(owner: Any, run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` as handed to ``checkpoint``: the first call is the forward, every later call a replay."""
+    calls = 0
+
+    def body(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1 or not _REPLAY_HOOKS:
+            return run(*args, **kwargs)
+        return _notify_replay(owner, run, args, kwargs)
+
+    return body
 
 
 # --------------------------------------------------------------------------------------------- group regions
@@ -274,6 +348,11 @@ class _GroupRegion:
         return tree_map(mark, args), tree_map(mark, kwargs)
 
     def _replay(self, *first_args, **first_kwargs):
+        if _REPLAY_HOOKS:
+            return _notify_replay(self, self._replay_members, first_args, first_kwargs)
+        return self._replay_members(*first_args, **first_kwargs)
+
+    def _replay_members(self, *first_args, **first_kwargs):
         out = self.records[0][0].run(*first_args, **first_kwargs)
         for member, args, kwargs in self.records[1:]:
             leaves, _ = tree_flatten(out)
