@@ -108,7 +108,8 @@ def _cli_in_process(args, capsys) -> tuple:
 def test_help_shows_the_policy_strings(capsys):
     code, text = _cli_in_process(["fit", "--trainer.callbacks.help", CALLBACK], capsys)
     assert code == 0
-    assert "--trainer.callbacks.policy POLICY" in text and "default: all" in text
+    # None means 'all', or the bottom rung of the ladder with auto_threshold; the help says so
+    assert "--trainer.callbacks.policy POLICY" in text and "default: null" in text and "``None``:" in text
     assert "every:N" in text or "every:2" in text  # the grammar is documented in the help
     assert "--trainer.callbacks.determinism_check {default,none}" in text
 
