@@ -418,6 +418,10 @@ class ActivationCheckpointing(Callback):
         if self.monitor is not None:
             self.monitor.pause()
 
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.monitor is not None:  # only the validation run is cut out; the next batch's loading still counts
+            self.monitor.resume()
+
     # ------------------------------------------------------------------------------------ out of memory
     def _guarded_step(self, original: Callable[..., Any], optimizer: Any, closure: Callable[[], Any],
                       *args: Any, **kwargs: Any) -> Any:

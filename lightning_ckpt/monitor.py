@@ -6,7 +6,9 @@ first micro-batch of an optimizer step, :meth:`~StepMonitor.add_batch` for every
 
 Time and throughput: a step's wall time runs from the end of the previous optimizer step (so data loading is
 included, as a user timing the loop would see it) to the end of this one; validation and other pauses between
-steps are excluded with :meth:`~StepMonitor.pause`. ``tokens_per_sec = tokens / step_s``; tokens are counted
+steps are cut out with :meth:`~StepMonitor.pause` / :meth:`~StepMonitor.resume` (only the paused interval: the
+next step still includes the loading of its batch). The first step of a run starts at :meth:`begin_step` (the
+loader's start-up before it is no step's). ``tokens_per_sec = tokens / step_s``; tokens are counted
 from the batch (``attention_mask`` non-padding when present, else the token tensor's size) or by ``tokens_fn``.
 """
 
@@ -75,6 +77,7 @@ class StepMonitor:
         self.capacity = capacity
         self.exact_every_n_steps = exact_every_n_steps
         self._last_end: Optional[float] = None
+        self._paused_at: Optional[float] = None
         self._measured = 0
         self._tokens: Any = 0
         self._samples = 0
@@ -90,6 +93,8 @@ class StepMonitor:
 
     def begin_step(self, measure: bool) -> None:
         """Start an optimizer step; ``measure`` counts activations and builds the ledger at the end."""
+        if self._paused_at is not None:  # paused without resume(): time from here on
+            self._last_end, self._paused_at = None, None
         if self._last_end is None:
             self._last_end = time.perf_counter()
         exact = bool(measure and self.exact_every_n_steps and self._measured % self.exact_every_n_steps == 0)
@@ -118,14 +123,26 @@ class StepMonitor:
                           checkpointed_blocks)
 
     def pause(self) -> None:
-        """Time from now until the next step start is not part of any step (validation, checkpointing)."""
-        self._last_end = None
+        """Time from now until :meth:`resume` is not part of any step (validation runs between steps).
+
+        Without a ``resume()``, the next step starts at its :meth:`begin_step`.
+        """
+        if self._paused_at is None:
+            self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        """End a :meth:`pause`: the paused interval is cut out of the next step's time."""
+        if self._paused_at is None:
+            return
+        if self._last_end is not None:
+            self._last_end += time.perf_counter() - self._paused_at
+        self._paused_at = None
 
     def abort(self) -> None:
         """Drop an open step (an exception inside it) and remove every hook."""
         self.meter.close()
         self._open = False
-        self._last_end = None
+        self._last_end = self._paused_at = None
 
     def close(self) -> None:
         self.abort()
