@@ -494,17 +494,20 @@ class ActivationCheckpointing(Callback):
     # ------------------------------------------------------------------------------------ end of fit
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.make_report and self.last_result is not None and self.last_result.ledger is not None:
-            text = self.report(trainer)
+            text = self.report(trainer)  # every rank: trainer.log_dir is a collective under DDP
             if trainer.is_global_zero:
                 print(text)
 
     def report(self, trainer: Optional["pl.Trainer"] = None) -> str:
-        """The ledger report of the last measured step (also written as JSON beside the logs on rank zero)."""
+        """The ledger report of the last measured step.
+
+        With ``trainer`` (call it on every rank under DDP) rank zero also writes it as JSON beside the logs.
+        """
         if self.last_result is None or self.last_result.ledger is None:
             return "lightning_ckpt: no step has been measured yet."
         data = ledger_report(self.last_result.ledger, self.plan.spec if self.plan else "none", self.ladder)
-        if trainer is not None and trainer.is_global_zero:
-            folder = trainer.log_dir or trainer.default_root_dir
+        folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None
+        if folder is not None and trainer.is_global_zero:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, REPORT_FILE), "w") as fh:
                 json.dump(data, fh, indent=2)

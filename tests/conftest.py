@@ -3,8 +3,10 @@ import os
 import pytest
 import torch
 
-# keep the two shared CPU cores for the test processes themselves
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# one intra-op thread: the test models are tiny, and 2-process DDP tests or a busy machine with more threads
+# than cores make OpenMP spin (observed: steps up to 100x slower); subprocesses inherit the setting
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
