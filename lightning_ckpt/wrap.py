@@ -425,6 +425,8 @@ class CheckpointPlan:
         self.names: Tuple[str, ...] = tuple(n for n, _ in found)
         self.shared = _Shared(options)
         self._forwards = [_BlockForward(block, i, name, self.shared) for i, (name, block) in enumerate(found)]
+        # resolved now: an ancestor wrapped later (FSDP) would change the paths
+        self._anchors = [_anchor(model, name) for name, _ in found]
         self._regions: List[_GroupRegion] = []
         self._model_name = type(model).__name__
         self._root = model
@@ -480,7 +482,7 @@ class CheckpointPlan:
             fwd.mode, fwd.region = mode, None
         for start, stop in layout.groups:
             members = self._forwards[start:stop]
-            region = _GroupRegion(members, _anchor(self._root, members[0].name))
+            region = _GroupRegion(members, self._anchors[start])
             for member in members:
                 member.region = region
             self._regions.append(region)
@@ -515,14 +517,20 @@ class CheckpointPlan:
         if state.get("version") != _STATE_VERSION:
             warnings.warn(f"lightning_ckpt: plan state version {state.get('version')!r} is not "
                           f"{_STATE_VERSION}; loading what is compatible.", RuntimeWarning, stacklevel=2)
-        self.retarget(state["policy"])
         modes = tuple(state.get("modes", ()))
         if list(state.get("names", [])) != list(self.names):
+            policy = parse_policy(state["policy"])
+            if isinstance(policy, ModesPolicy):  # a per-block list for other blocks means nothing here
+                warnings.warn("lightning_ckpt: the saved plan names different blocks than this model has; "
+                              "the plan was left as it is.", RuntimeWarning, stacklevel=2)
+                return self
             warnings.warn(
                 "lightning_ckpt: the saved plan names different blocks than this model has; only its policy "
                 f"{state['policy']!r} was re-applied.", RuntimeWarning, stacklevel=2,
             )
-        elif modes and modes != self.modes:
+            return self.retarget(policy)
+        self.retarget(state["policy"])
+        if modes and modes != self.modes:
             self.set_modes(modes)
         return self
 

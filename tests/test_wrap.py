@@ -627,3 +627,14 @@ def test_cuda_rng_preserved_with_dropout():
     apply_policy(model, "all")
     _, g = _grads(model, idx)
     assert all(torch.equal(g[n], g_ref[n]) for n in g)
+
+
+def test_plan_state_for_other_blocks_warns_instead_of_failing(stack):
+    plan = apply_policy(stack, "every:2")
+    state = {"version": 1, "policy": "modes:recompute,off", "names": ["a.0", "a.1"], "modes": ["recompute", "off"]}
+    with pytest.warns(RuntimeWarning, match="different blocks"):
+        plan.load_state_dict(state)
+    assert plan.spec == "every:2"
+    with pytest.warns(RuntimeWarning, match="only its policy 'all'"):
+        plan.load_state_dict(dict(state, policy="all"))
+    assert plan.spec == "all"
