@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
-__all__ = ["BlockCost", "BudgetPlan", "predict_peak", "plan_budget"]
+__all__ = ["BlockCost", "BudgetPlan", "BudgetCalibration", "predict_peak", "plan_budget"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +103,124 @@ def _pareto(states):
 
 def _modes(mask: Sequence[bool]) -> Tuple[str, ...]:
     return tuple("recompute" if m else "off" for m in mask)
+
+
+class BudgetCalibration:
+    """Measure every block, choose the plan, verify it once: the ``budget:`` policy at run time (no Lightning).
+
+    Steps (one optimizer step each, driven by the callback):
+
+    1. ``every:2`` on blocks 0, 2, 4, …: the others run plain, so their saved bytes (``interior``) and forward
+       time (``recompute_s``) are measured by block hooks; 2. the complement, measuring the rest. The memory of
+       both calibration steps stays near the ``every:2`` level, never the un-checkpointed peak.
+    3. :func:`plan_budget` picks the plan; the step after it is measured and compared with the prediction;
+       if it does not fit, the budget is lowered by the overshoot and the plan is chosen again, once.
+
+    Args:
+        plan: the :class:`~lightning_ckpt.wrap.CheckpointPlan` to drive.
+        meter: the :class:`~lightning_ckpt.meter.StepMeter` counting activations during the step.
+        budget: activation budget in bytes.
+        synchronize: called around block timings (``torch.cuda.synchronize`` on a GPU) during calibration only.
+    """
+
+    def __init__(self, plan, meter, budget: int, synchronize=None) -> None:
+        self.plan, self.meter, self.budget = plan, meter, budget
+        self.synchronize = synchronize or (lambda: None)
+        n = plan.num_blocks
+        self.interior: List[int] = [0] * n
+        self.boundary: List[int] = [0] * n
+        self.seconds: List[float] = [0.0] * n
+        self.stage = 0  # 0, 1: calibration steps; 2: first planned step (verify); 3: corrected/verified
+        self.chosen: "BudgetPlan | None" = None
+        self.measured: "int | None" = None
+        self.messages: List[str] = []
+        self._handles: list = []
+        self._open: dict = {}
+        self._base = 0
+        self._calibration_peaks: List[int] = []
+
+    @property
+    def calibrating(self) -> bool:
+        return self.stage < 2
+
+    @property
+    def done(self) -> bool:
+        return self.stage >= 3
+
+    def begin_step(self) -> None:
+        """Before the first micro-batch of an optimizer step: set the modes for this stage."""
+        if self.stage in (0, 1):
+            self.plan.set_modes(["recompute" if m else "off" for m in self._mask(self.stage)])
+            if not self._handles:
+                self._install()
+
+    def end_step(self, activations: int) -> None:
+        """After the optimizer step, with the step's measured activation peak (bytes)."""
+        if self.stage in (0, 1):
+            self._calibration_peaks.append(activations)
+            self.stage += 1
+            if self.stage == 2:
+                self._remove()
+                # what the blocks do not explain (embeddings, logits, loss): the larger residual of the two steps
+                self._base = max(0, max(peak - predict_peak(self.costs(), self._mask(stage))
+                                        for stage, peak in enumerate(self._calibration_peaks)))
+                self._choose(self.budget)
+            return
+        if self.stage == 2:
+            self.measured = activations
+            self.messages.append(f"budget plan: predicted {self.chosen.predicted_peak / 2**20:.1f} MiB, measured "
+                                 f"{activations / 2**20:.1f} MiB")
+            if activations > self.budget and self.chosen.fits:
+                self._choose(self.budget - (activations - self.chosen.predicted_peak))
+                self.messages.append("budget plan corrected once: the measured peak exceeded the budget")
+            self.stage = 3
+
+    def _mask(self, stage: int) -> List[bool]:
+        return [i % 2 == stage for i in range(self.plan.num_blocks)]
+
+    def costs(self) -> List[BlockCost]:
+        return [BlockCost(i, b, s) for i, b, s in zip(self.interior, self.boundary, self.seconds)]
+
+    def _choose(self, budget: int) -> None:
+        self.chosen = plan_budget(self.costs(), max(budget, 0), base=self._base)
+        self.plan.set_modes(self.chosen.modes)
+        self.messages.append(self.chosen.describe())
+
+    def _install(self) -> None:
+        for index, block in enumerate(self.plan.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._pre(index)))
+            self._handles.append(block.register_forward_hook(self._post(index)))
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre(self, index: int):
+        import time
+
+        import torch
+
+        def hook(module, args):
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            self.boundary[index] = max(self.boundary[index], sum(
+                a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
+            self.synchronize()
+            self._open[index] = (time.perf_counter(), self.meter.live_saved_bytes() or 0)
+
+        return hook
+
+    def _post(self, index: int):
+        import time
+
+        def hook(module, args, output):
+            if index not in self._open:
+                return
+            self.synchronize()
+            t0, live0 = self._open.pop(index)
+            self.seconds[index] = time.perf_counter() - t0
+            if self.plan.modes[index] == "off":
+                self.interior[index] = (self.meter.live_saved_bytes() or 0) - live0
+
+        return hook

@@ -20,11 +20,12 @@ from lightning_ckpt._engine import (
     run_before_strategy_setup,
 )
 from lightning_ckpt.blocks import BlockSelector
+from lightning_ckpt.budget import BudgetCalibration
 from lightning_ckpt.controller import DEFAULT_LADDER, Controller, resolve_threshold
 from lightning_ckpt.meter import device_capacity
 from lightning_ckpt.monitor import StepMonitor, StepResult
 from lightning_ckpt.oom import OutOfMemoryDiagnosis, PhaseTracker, diagnose, is_out_of_memory
-from lightning_ckpt.policy import Policy, parse_policy
+from lightning_ckpt.policy import BudgetPolicy, Policy, parse_policy
 from lightning_ckpt.report import ledger_report, report_text
 from lightning_ckpt.safety import STATEFUL_CHOICES, preflight
 from lightning_ckpt.units import GiB, parse_size
@@ -123,7 +124,8 @@ class ActivationCheckpointing(Callback):
           ``setup`` or ``configure_model``).
         - A model already checkpointed by ``checkpoint_wrapper``, composable ``checkpoint`` or Hugging Face
           ``gradient_checkpointing_enable()`` is refused with an error instead of being checkpointed twice.
-        - ``budget:`` policies are not accepted yet.
+        - ``budget:`` re-calibrates after a resume (two steps at about the ``every:2`` memory level); each rank
+          calibrates on its own measurements.
         - The ``*_ac`` strategies apply a fixed policy only; measurement, auto-toggling and diagnosis are
           this callback's (use it with a plain strategy).
 
@@ -161,6 +163,12 @@ class ActivationCheckpointing(Callback):
     same batch one rung up the ladder (no optimizer step is applied twice, no batch skipped) until the ladder
     is exhausted.
 
+    Budget (``policy="budget:18GiB"`` or ``"budget:0.5"`` of capacity): two calibration steps measure every
+    block's saved bytes and forward time, :func:`lightning_ckpt.budget.plan_budget` picks the per-block plan
+    with the least replay time whose predicted activation peak fits, the next step's measurement is compared
+    with the prediction, and the plan is corrected once if it does not fit. The plan and prediction vs
+    measurement are printed on rank zero.
+
     Diagnosis: at the end of ``fit`` (and on :meth:`report`) rank zero prints the ledger table and the seed's
     advice, and writes ``lightning_ckpt_report.json`` beside the logs. Before the first step the plan is checked
     for replay hazards (``stateful``) and, with ``verify=True``, the first batch is run with and without
@@ -191,7 +199,8 @@ class ActivationCheckpointing(Callback):
     ) -> None:
         self.ladder = tuple(ladder) if ladder is not None else DEFAULT_LADDER
         self._check_arguments(auto_threshold, capacity, on_oom, stateful, exact_every_n_steps, prefix)
-        start = self._starting_policy(policy, auto_threshold)
+        self.budget_policy = self._budget_policy(policy, auto_threshold, capacity)
+        start = "every:2" if self.budget_policy is not None else self._starting_policy(policy, auto_threshold)
         engine = CheckpointingEngine(
             start, blocks, preserve_rng_state=preserve_rng_state, determinism_check=determinism_check,
             debug=debug, owner=type(self).__name__,
@@ -208,6 +217,7 @@ class ActivationCheckpointing(Callback):
             Controller(threshold=resolve_threshold(auto_threshold, self.capacity or 2**62), ladder=self.ladder,
                        release=release, cooldown=cooldown, level=self.ladder.index(engine.policy.spec))
         self.monitor: Optional[StepMonitor] = None
+        self.calibration: Optional[BudgetCalibration] = None
         self.phase = PhaseTracker()
         self.last_metrics: Dict[str, float] = {}
         self.last_result: Optional[StepResult] = None
@@ -243,6 +253,19 @@ class ActivationCheckpointing(Callback):
                     "device to read it from. Pass capacity='24GiB' (the card you plan for) or an absolute "
                     "threshold such as auto_threshold='18GiB'."
                 )
+
+    @staticmethod
+    def _budget_policy(policy, auto_threshold, capacity) -> Optional[BudgetPolicy]:
+        parsed = None if policy is None else parse_policy(policy)
+        if not isinstance(parsed, BudgetPolicy):
+            return None
+        if auto_threshold is not None:
+            raise ValueError(f"policy={parsed.spec!r} chooses the plan itself; it cannot be combined with "
+                             "auto_threshold. Use one of the two.")
+        if isinstance(parsed.budget, float) and capacity is None and not torch.cuda.is_available():
+            raise ValueError(f"policy={parsed.spec!r} is a fraction of device capacity, but there is no CUDA device "
+                             "to read it from. Pass capacity='24GiB' or an absolute budget such as 'budget:18GiB'.")
+        return parsed
 
     def _starting_policy(self, policy: Optional[str], auto_threshold) -> Union[str, Policy]:
         if auto_threshold is None:
@@ -323,6 +346,11 @@ class ActivationCheckpointing(Callback):
         self.monitor = StepMonitor(device, tokens_fn=self.tokens_fn, capacity=capacity,
                                    exact_every_n_steps=self.exact_every_n_steps)
         self.monitor.watch(pl_module)
+        if self.budget_policy is not None and self.plan is not None:
+            budget = self.budget_policy.budget
+            budget = int(budget * capacity) if isinstance(budget, float) else budget
+            sync = torch.cuda.synchronize if device.type == "cuda" else None
+            self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync)
         if self.plan is not None and self.plan.blocks and self._forward_hook is None:
             self._forward_hook = self.plan.blocks[0].register_forward_pre_hook(lambda *_: self.phase.forward_start())
         if self.measure and not trainer.loggers and not self._warned_no_logger:
@@ -343,12 +371,15 @@ class ActivationCheckpointing(Callback):
         if self.monitor is None:
             return
         if not self.monitor.in_step:
+            if self.calibration is not None and not self.calibration.done:
+                self.calibration.begin_step()
             self.monitor.begin_step(measure=self._measuring_this_step(trainer))
         self.monitor.add_batch(batch)
 
     def _measuring_this_step(self, trainer: "pl.Trainer") -> bool:
         wanted = self.measure and trainer._logger_connector.should_update_logs
-        return bool(wanted or self.controller is not None)
+        calibrating = self.calibration is not None and not self.calibration.done
+        return bool(wanted or self.controller is not None or calibrating)
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         self.phase.backward_start()
@@ -375,6 +406,11 @@ class ActivationCheckpointing(Callback):
             self._log(pl_module, metrics)
         if self.controller is not None:
             self._decide(trainer, metrics)
+        if self.calibration is not None and not self.calibration.done and result.ledger.activations is not None:
+            self.calibration.end_step(result.ledger.activations)
+            for message in self.calibration.messages:
+                rank_zero_info(f"lightning_ckpt: {message}")
+            self.calibration.messages.clear()
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -505,7 +541,9 @@ class ActivationCheckpointing(Callback):
         """
         if self.last_result is None or self.last_result.ledger is None:
             return "lightning_ckpt: no step has been measured yet."
-        data = ledger_report(self.last_result.ledger, self.plan.spec if self.plan else "none", self.ladder)
+        plan = self.plan
+        data = ledger_report(self.last_result.ledger, plan.spec if plan else "none", self.ladder,
+                             all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks))
         folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None
         if folder is not None and trainer.is_global_zero:
             os.makedirs(folder, exist_ok=True)

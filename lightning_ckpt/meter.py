@@ -413,6 +413,10 @@ class StepMeter:
     def is_open(self) -> bool:
         return self._open
 
+    def live_saved_bytes(self) -> Optional[int]:
+        """Bytes held for backward right now (outer hooks' view), or ``None`` when activations aren't counted."""
+        return self._saved.live if self._saved is not None else None
+
     # -- the step
     def start_step(self, exact: Optional[bool] = None, activations: bool = True) -> None:
         """Reset the allocator peaks (no sync) and start counting activations.

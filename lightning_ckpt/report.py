@@ -18,23 +18,30 @@ __all__ = ["ledger_report", "report_text", "suggest_policy"]
 _FRAGMENTATION_SHARE = 0.25  # reserved − allocated above this share of reserved reads as fragmentation
 
 
-def suggest_policy(current: str, ladder: Sequence[str]) -> str:
-    """The next rung up from ``current`` (or ``offload`` after the top): the measured lever for activations."""
+def suggest_policy(current: str, ladder: Sequence[str], all_checkpointed: bool = False) -> str:
+    """The next rung up from ``current``: the measured lever for activations.
+
+    A policy off the ladder (a budget plan, explicit modes) moves to the ladder's top unless every block is
+    already checkpointed; past the top come ``offload``, then a smaller micro-batch.
+    """
     ladder = list(ladder)
     if current in ladder and ladder.index(current) + 1 < len(ladder):
         return ladder[ladder.index(current) + 1]
+    if current not in ladder and not all_checkpointed:
+        return ladder[-1]
     return "offload" if current != "offload" else "a smaller micro-batch with gradient accumulation"
 
 
-def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: Optional[Dict[str, Any]] = None
-                  ) -> Dict[str, Any]:
+def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: Optional[Dict[str, Any]] = None,
+                  all_checkpointed: bool = False) -> Dict[str, Any]:
     """A JSON-able report: lines (bytes and GiB), shares of capacity, the dominant line and the advice."""
     lines = ledger.lines()
     cap = ledger.capacity
     dominant = ledger.dominant()
     advice: List[str] = [ledger.diagnosis()]
     if dominant == "activations":
-        advice.append(f"The measurements suggest policy {suggest_policy(policy, ladder)!r} (currently {policy!r}).")
+        advice.append(f"The measurements suggest policy {suggest_policy(policy, ladder, all_checkpointed)!r} "
+                      f"(currently {policy!r}).")
     if ledger.cache is not None and ledger.peak_reserved and ledger.cache > _FRAGMENTATION_SHARE * ledger.peak_reserved:
         advice.append(
             f"Reserved exceeds allocated by {ledger.cache / GiB:.2f} GiB: that is the allocator's cache and "

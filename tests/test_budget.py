@@ -57,3 +57,48 @@ def test_unreachable_budget_checkpoints_everything_and_says_so():
 def test_generous_budget_checkpoints_nothing():
     plan = plan_budget(UNIFORM, 1000 * MiB)
     assert plan.modes == ("off",) * 6 and plan.recompute_s == 0
+
+
+def test_budget_policy_in_a_trainer_calibrates_then_fits(tmp_path):
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from _lightning_models import TinyTransformer, trainer_kwargs
+    from lightning_ckpt import ActivationCheckpointing
+
+    def peak(policy):
+        seed_everything(0)
+        cb = ActivationCheckpointing(policy=policy)
+        Trainer(**trainer_kwargs(tmp_path / policy, max_steps=2, log_every_n_steps=1), callbacks=[cb]).fit(
+            TinyTransformer(batch_size=16))
+        return cb.last_result.ledger.activations
+
+    none, every2, all_ = peak("none"), peak("every:2"), peak("all")
+    budget = every2 + (none - every2) // 4  # two checkpointed blocks fit, one does not
+
+    class Record(Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.rows.append((cb.plan.modes, cb.last_result.ledger.activations))
+
+    cb, rec = ActivationCheckpointing(policy=f"budget:{budget}"), Record()
+    seed_everything(0)
+    Trainer(**trainer_kwargs(tmp_path / "budget", max_steps=5, log_every_n_steps=1),
+            callbacks=[cb, rec]).fit(TinyTransformer(batch_size=16))
+    chosen = cb.calibration.chosen
+    assert cb.calibration.done and chosen.fits
+    assert sum(m != "off" for m in chosen.modes) == 2
+    assert all(act <= budget for _, act in rec.rows[2:])
+    assert cb.calibration.measured == pytest.approx(chosen.predicted_peak, rel=0.10)
+    assert all_ < every2 < none
+
+
+def test_budget_with_auto_threshold_or_fraction_without_capacity_is_refused():
+    from lightning_ckpt import ActivationCheckpointing
+
+    with pytest.raises(ValueError, match="cannot be combined with auto_threshold"):
+        ActivationCheckpointing(policy="budget:1GiB", auto_threshold="1GiB")
+    with pytest.raises(ValueError, match="capacity='24GiB'"):
+        ActivationCheckpointing(policy="budget:0.5")
+    assert ActivationCheckpointing(policy="budget:0.5", capacity="8GiB").budget_policy.budget == 0.5
