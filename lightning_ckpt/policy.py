@@ -168,6 +168,8 @@ class BlocksPolicy(Policy):
     name: ClassVar[str] = "blocks"
 
     def __post_init__(self) -> None:
+        if not self.indices:
+            raise ValueError("blocks: needs indices, e.g. 'blocks:0-5,9'.")
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.indices):
             raise ValueError(f"blocks: indices must be non-negative ints, got {self.indices!r}.")
         object.__setattr__(self, "indices", tuple(sorted(set(self.indices))))
@@ -335,6 +337,8 @@ def _parse_int(text: str, policy: str, label: str) -> int:
 def _parse_indices(arg: str) -> Tuple[int, ...]:
     out = []
     for part in filter(None, (p.strip() for p in arg.split(","))):
+        if part.startswith("-"):
+            raise ValueError(f"blocks: indices must be ≥ 0, got {part!r}.")
         lo, sep, hi = part.partition("-")
         a = _parse_int(lo, "blocks", "index")
         b = _parse_int(hi, "blocks", "index") if sep else a
@@ -353,12 +357,14 @@ _PARSERS: Dict[str, Callable[[str], Policy]] = {
     "every": lambda a: EveryPolicy(_parse_int(a, "every", "N")),
     "first": lambda a: FirstPolicy(_parse_int(a, "first", "K")),
     "blocks": lambda a: BlocksPolicy(_parse_indices(a)),
-    "group": lambda a: GroupPolicy("sqrt" if a == "sqrt" else _parse_int(a, "group", "K")),
-    "selective": lambda a: SelectivePolicy(tuple(s.strip() for s in a.split(",") if s.strip())) if a else SelectivePolicy(),
+    "group": lambda a: GroupPolicy("sqrt" if a.lower() == "sqrt" else _parse_int(a, "group", "K")),
+    "selective": lambda a: SelectivePolicy(tuple(s.strip() for s in a.split(",") if s.strip()))
+    if a else SelectivePolicy(),
     "budget": lambda a: BudgetPolicy(a),
     "modes": lambda a: ModesPolicy(tuple(s.strip() for s in a.split(","))),
 }
 _NEEDS_ARG = {"every", "first", "blocks", "group", "budget", "modes"}
+_OPTIONAL_ARG = {"selective"}  # bare name: the default save list; with ':' an explicit, non-empty list
 _NO_ARG = {"none", "all", "offload"}
 POLICY_TYPES: Dict[str, Type[Policy]] = {
     cls.name: cls
@@ -388,7 +394,7 @@ def parse_policy(policy: Union[str, Policy, None]) -> Policy:
         close = difflib.get_close_matches(name, list(_PARSERS), n=2)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise ValueError(f"Unknown policy {policy!r}.{hint} Valid policies: {GRAMMAR}.")
-    if name in _NEEDS_ARG and not arg:
+    if (name in _NEEDS_ARG or (name in _OPTIONAL_ARG and sep)) and not arg:
         raise ValueError(f"policy {policy!r} needs an argument after ':'. Valid policies: {GRAMMAR}.")
     if name in _NO_ARG and sep:
         raise ValueError(f"policy {policy!r}: {name!r} takes no argument. Valid policies: {GRAMMAR}.")

@@ -45,7 +45,9 @@ def parse_size(value: Union[int, str], *, name: str = "size") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"{name}={value!r} is not a size; pass {_SIZE_HELP}.")
     if isinstance(value, int):
-        number, unit = float(value), "b"
+        if value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive size; pass {_SIZE_HELP}.")
+        return value  # exact: no float round trip for sizes above 2**53
     else:
         match = _SIZE_RE.match(value)
         if not match:
@@ -57,7 +59,7 @@ def parse_size(value: Union[int, str], *, name: str = "size") -> int:
                 f"{', '.join(('B', 'KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB', 'TB'))}."
             )
     size = number * _UNITS[unit]
-    if not math.isfinite(size) or size <= 0:
+    if not math.isfinite(size) or int(size) <= 0:
         raise ValueError(f"{name}={value!r} must be a positive size; pass {_SIZE_HELP}.")
     return int(size)
 
@@ -70,6 +72,7 @@ def parse_size_or_fraction(value: Union[int, float, str], *, name: str = "thresh
     """
     if isinstance(value, bool):
         raise TypeError(f"{name}={value!r} must be a size ('18GiB') or a fraction of capacity (0.8), not a bool.")
+    shown = value
     if isinstance(value, str):
         try:
             as_float = float(value)
@@ -80,7 +83,7 @@ def parse_size_or_fraction(value: Union[int, float, str], *, name: str = "thresh
     if isinstance(value, float):
         if not math.isfinite(value) or not 0.0 < value <= 1.0:
             raise ValueError(
-                f"{name}={value!r} is not a valid fraction of capacity; a fraction must lie in (0, 1] "
+                f"{name}={shown!r} is not a valid fraction of capacity; a fraction must lie in (0, 1] "
                 f"(e.g. 0.8), or pass {_SIZE_HELP}."
             )
         return value

@@ -327,7 +327,7 @@ def test_unknown_name_lists_the_grammar_and_suggests():
             "TiB, KB, MB, GB, TB.",
         ),
         ("budget:0", "budget='0' must be a positive size"),
-        ("budget:1.5", "budget=1.5 is not a valid fraction of capacity; a fraction must lie in (0, 1]"),
+        ("budget:1.5", "budget='1.5' is not a valid fraction of capacity; a fraction must lie in (0, 1]"),
         (
             "modes:off,bogus",
             "unknown block modes ['bogus']; valid modes are ['off', 'recompute', 'selective', 'offload'].",
@@ -405,9 +405,6 @@ def test_blocks_policy_normalises_indices():
 # --------------------------------------------------------------------------------------------- known issues
 
 
-@pytest.mark.xfail(
-    strict=True, reason="policy.py: BlocksPolicy() has spec 'blocks:', which parse_policy refuses"
-)
 def test_empty_blocks_policy_is_refused_or_round_trips():
     try:
         policy = BlocksPolicy(())
@@ -416,7 +413,6 @@ def test_empty_blocks_policy_is_refused_or_round_trips():
     assert parse_policy(policy.spec) == policy
 
 
-@pytest.mark.xfail(strict=True, reason="policy.py: '-1' is split as a range, so the error talks about ''")
 def test_negative_block_index_error_names_the_index():
     with pytest.raises(ValueError, match=r"'-1'"):
         parse_policy("blocks:-1")
