@@ -5,7 +5,13 @@ Importing the package registers the ``*_ac`` strategies (``single_device_ac``, `
 """
 
 from lightning_ckpt.blocks import find_blocks
+from lightning_ckpt.budget import plan_budget
 from lightning_ckpt.callback import ActivationCheckpointing
+from lightning_ckpt.controller import Controller
+from lightning_ckpt.ledger import Ledger, build_ledger
+from lightning_ckpt.meter import StepMeter, count_tokens
+from lightning_ckpt.oom import OutOfMemoryDiagnosis
+from lightning_ckpt.planner import LedgerInputs, plan_from_numbers
 from lightning_ckpt.policy import GRAMMAR, MODES, Policy, parse_policy
 from lightning_ckpt.strategy import (
     ActivationCheckpointingMixin,
@@ -14,15 +20,31 @@ from lightning_ckpt.strategy import (
     SingleDeviceActivationCheckpointingStrategy,
     register_strategies,
 )
+from lightning_ckpt.safety import preflight
+from lightning_ckpt.trace import plan_model
 from lightning_ckpt.units import format_bytes, parse_size
+from lightning_ckpt.verify import verify_equivalence
 from lightning_ckpt.wrap import CheckpointPlan, ForeignCheckpointingError, apply_policy, get_plan, remove_checkpointing
 
 __version__ = "0.1.0"
 
 register_strategies()
 
+# the profiler is `from lightning_ckpt.profile import profile` (a function of that name here would hide the module)
 __all__ = [
     "ActivationCheckpointing",
+    "Controller",
+    "Ledger",
+    "LedgerInputs",
+    "OutOfMemoryDiagnosis",
+    "StepMeter",
+    "build_ledger",
+    "count_tokens",
+    "plan_budget",
+    "plan_from_numbers",
+    "plan_model",
+    "preflight",
+    "verify_equivalence",
     "ActivationCheckpointingMixin",
     "CheckpointPlan",
     "DDPActivationCheckpointingStrategy",
