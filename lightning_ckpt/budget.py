@@ -48,9 +48,11 @@ class BudgetPlan:
 
     def describe(self) -> str:
         chosen = [i for i, m in enumerate(self.modes) if m != "off"]
+        from lightning_ckpt.units import format_bytes
+
         return (
-            f"budget {self.budget / 2**30:.3f} GiB: checkpoint {len(chosen)}/{len(self.modes)} blocks {chosen}, "
-            f"predicted activation peak {self.predicted_peak / 2**30:.3f} GiB, replay cost "
+            f"budget {format_bytes(self.budget)}: checkpoint {len(chosen)}/{len(self.modes)} blocks {chosen}, "
+            f"predicted activation peak {format_bytes(self.predicted_peak)}, replay cost "
             f"{self.recompute_s * 1e3:.1f} ms/step{'' if self.fits else ' (does NOT fit even with every block)'}"
         )
 
