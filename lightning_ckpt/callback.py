@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
 
 import torch
 import lightning.pytorch as pl
+from torch.utils.checkpoint import CheckpointError
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -30,7 +31,7 @@ from lightning_ckpt.report import ledger_report, report_text
 from lightning_ckpt.safety import STATEFUL_CHOICES, preflight
 from lightning_ckpt.units import GiB, parse_size
 from lightning_ckpt.verify import verify_equivalence
-from lightning_ckpt.wrap import CheckpointPlan
+from lightning_ckpt.wrap import CheckpointPlan, register_replay_hook
 
 __all__ = ["ActivationCheckpointing", "TENSORBOARD_LAYOUT"]
 
@@ -225,6 +226,8 @@ class ActivationCheckpointing(Callback):
         self._verified = False
         self._warned_no_logger = False
         self._forward_hook = None
+        self._replay_handle = None
+        self._replaying: Optional[str] = None  # the region replayed last: named when its replay misbehaves
 
     # ------------------------------------------------------------------------------ argument validation
     def _check_arguments(self, auto_threshold, capacity, on_oom, stateful, exact_every_n_steps, prefix) -> None:
@@ -346,6 +349,8 @@ class ActivationCheckpointing(Callback):
         self.monitor = StepMonitor(device, tokens_fn=self.tokens_fn, capacity=capacity,
                                    exact_every_n_steps=self.exact_every_n_steps)
         self.monitor.watch(pl_module)
+        if self._replay_handle is None:
+            self._replay_handle = register_replay_hook(self._note_replay)
         if self.budget_policy is not None and self.plan is not None:
             budget = self.budget_policy.budget
             budget = int(budget * capacity) if isinstance(budget, float) else budget
@@ -375,6 +380,20 @@ class ActivationCheckpointing(Callback):
                 self.calibration.begin_step()
             self.monitor.begin_step(measure=self._measuring_this_step(trainer))
         self.monitor.add_batch(batch)
+
+    def _note_replay(self, owner: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        members = getattr(owner, "members", None)
+        self._replaying = f"{members[0].name}…{members[-1].name}" if members else owner.name
+        return fn(*args, **kwargs)
+
+    def _replay_error(self, err: CheckpointError) -> CheckpointError:
+        return CheckpointError(
+            f"lightning_ckpt: checkpointed block {self._replaying!r} computed something different when it was "
+            "replayed in backward (determinism_check): a checkpointed region must be close to a pure function — "
+            "no data-dependent shapes, no reads of mutable Python state, no randomness outside torch's RNG. "
+            "Keep that block un-checkpointed (blocks= or policy='blocks:...'), make it pure, or see README "
+            f"'Diagnosis' (replay safety). Original error: {err}"
+        )
 
     def _measuring_this_step(self, trainer: "pl.Trainer") -> bool:
         wanted = self.measure and trainer._logger_connector.should_update_logs
@@ -467,6 +486,8 @@ class ActivationCheckpointing(Callback):
             while True:
                 try:
                     return closure()
+                except CheckpointError as err:
+                    raise self._replay_error(err) from err
                 except Exception as err:  # noqa: BLE001 - only out-of-memory errors are handled
                     if not is_out_of_memory(err):
                         raise
@@ -557,6 +578,9 @@ class ActivationCheckpointing(Callback):
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
+        if self._replay_handle is not None:
+            self._replay_handle.remove()
+            self._replay_handle = None
         if self.monitor is not None:
             self.monitor.close()
 

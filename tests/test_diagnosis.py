@@ -181,3 +181,32 @@ class MutableCounterModel(TinyTransformer):
     def _build(self):
         super()._build()
         self.layers = nn.ModuleList(CounterBlock() for _ in range(3))
+
+
+class ShapeShifter(nn.Module):
+    """Draws a data-dependent shape from mutable state: the replay saves a tensor of another shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        rows = x[:, : x.shape[1] - (self.calls % 2)]
+        return x + torch.tanh(self.lin(rows)).mean(1, keepdim=True)
+
+
+class ShapeModel(TinyTransformer):
+    def _build(self):
+        super()._build()
+        self.layers[2] = ShapeShifter()
+
+
+def test_determinism_check_failure_names_the_block(tmp_path):
+    from torch.utils.checkpoint import CheckpointError
+
+    cb = ActivationCheckpointing(policy="all", blocks=["layers.0", "layers.1", "layers.2", "layers.3"])
+    with pytest.raises(CheckpointError, match=r"block 'layers.2' computed something different") as err:
+        Trainer(**trainer_kwargs(tmp_path, max_steps=2), callbacks=[cb]).fit(ShapeModel())
+    assert isinstance(err.value.__cause__, CheckpointError) and "pure function" in str(err.value)
