@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "CheckpointingEngine",
+    "EngineDoor",
     "ENGINE_ATTR",
     "STATE_VERSION",
     "check_strategy",
@@ -182,6 +183,24 @@ class CheckpointingEngine:
         )
 
 
+class EngineDoor:
+    """What both doors (the callback and the strategy mixin) expose about the engine they hold."""
+
+    @property
+    def _engine(self) -> CheckpointingEngine:
+        return getattr(self, ENGINE_ATTR)
+
+    @property
+    def plan(self) -> Optional[CheckpointPlan]:
+        """The applied :class:`~lightning_ckpt.wrap.CheckpointPlan`, or ``None`` before ``fit``."""
+        return self._engine.plan
+
+    @property
+    def policy(self) -> Policy:
+        """The configured (starting) policy."""
+        return self._engine.policy
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 
 
@@ -189,8 +208,9 @@ def _static_policy(policy: Union[str, Policy]) -> Policy:
     parsed = parse_policy(policy)
     if isinstance(parsed, BudgetPolicy):
         raise ValueError(
-            f"policy={parsed.spec!r} is chosen from measured activation memory, which this version of "
-            "lightning_ckpt does not measure yet. Use a fixed policy such as 'all', 'every:2' or 'selective'."
+            f"policy={parsed.spec!r} is chosen from measured activation memory, which only the "
+            "ActivationCheckpointing callback measures. Use the callback with this policy (and a plain "
+            "strategy), or give the *_ac strategy a fixed policy such as 'all', 'every:2' or 'selective'."
         )
     return parsed
 

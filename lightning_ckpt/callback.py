@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
 import torch
 import lightning.pytorch as pl
@@ -17,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_ckpt._engine import (
     ENGINE_ATTR,
     CheckpointingEngine,
+    EngineDoor,
     remove_before_strategy_setup,
     run_before_strategy_setup,
 )
@@ -31,7 +31,7 @@ from lightning_ckpt.report import ledger_report, report_text
 from lightning_ckpt.safety import STATEFUL_CHOICES, preflight
 from lightning_ckpt.units import GiB, parse_size
 from lightning_ckpt.verify import verify_equivalence
-from lightning_ckpt.wrap import CheckpointPlan, register_replay_hook
+from lightning_ckpt.wrap import register_replay_hook
 
 __all__ = ["ActivationCheckpointing", "TENSORBOARD_LAYOUT"]
 
@@ -57,7 +57,7 @@ def _layout(prefix: str) -> Dict[str, Dict[str, List[Any]]]:
 TENSORBOARD_LAYOUT = _layout("")
 """The custom-scalars layout written to TensorBoard: one "Memory" chart with every ledger line."""
 
-class ActivationCheckpointing(Callback):
+class ActivationCheckpointing(EngineDoor, Callback):
     """Checkpoint the repeated Transformer blocks of the LightningModule during ``fit``.
 
     The blocks are patched in place (non-reentrant ``torch.utils.checkpoint``, RNG preserved): module paths,
@@ -282,21 +282,6 @@ class ActivationCheckpointing(Callback):
                 "names the starting rung. Leave policy unset to start at the bottom, or add it to the ladder."
             )
         return spec
-
-    # ------------------------------------------------------------------------------------ properties
-    @property
-    def _engine(self) -> CheckpointingEngine:
-        return getattr(self, ENGINE_ATTR)
-
-    @property
-    def plan(self) -> Optional[CheckpointPlan]:
-        """The applied :class:`~lightning_ckpt.wrap.CheckpointPlan`, or ``None`` before ``fit``."""
-        return self._engine.plan
-
-    @property
-    def policy(self) -> Policy:
-        """The configured (starting) policy."""
-        return self._engine.policy
 
     # ------------------------------------------------------------------------------------ set-up
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -540,10 +525,7 @@ class ActivationCheckpointing(Callback):
         return OutOfMemoryDiagnosis(f"{text}\nOriginal error: {err}", self.phase.phase)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        remove_before_strategy_setup(trainer.strategy)
-        _remove_oom_guard(trainer.strategy)
-        if self.monitor is not None:
-            self.monitor.abort()
+        self._release(trainer)
         if is_out_of_memory(exception) and not isinstance(exception, OutOfMemoryDiagnosis):
             # out of the guarded closure (a gradient-accumulation micro-batch): attach the diagnosis as a note
             exception.add_note(str(self._diagnosis(exception)))
@@ -573,14 +555,17 @@ class ActivationCheckpointing(Callback):
         return report_text(data)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._release(trainer)
+
+    def _release(self, trainer: "pl.Trainer") -> None:
+        """Remove every hook and shim this callback installed (teardown, or a run that raised)."""
         remove_before_strategy_setup(trainer.strategy)
         _remove_oom_guard(trainer.strategy)
-        if self._forward_hook is not None:
-            self._forward_hook.remove()
-            self._forward_hook = None
-        if self._replay_handle is not None:
-            self._replay_handle.remove()
-            self._replay_handle = None
+        for name in ("_forward_hook", "_replay_handle"):
+            handle = getattr(self, name)
+            if handle is not None:
+                handle.remove()
+                setattr(self, name, None)
         if self.monitor is not None:
             self.monitor.close()
 

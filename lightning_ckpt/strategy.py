@@ -26,9 +26,8 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDevice
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_ckpt._engine import ENGINE_ATTR, CheckpointingEngine, check_strategy
+from lightning_ckpt._engine import ENGINE_ATTR, CheckpointingEngine, EngineDoor, check_strategy
 from lightning_ckpt.blocks import BlockSelector
-from lightning_ckpt.policy import Policy
 from lightning_ckpt.wrap import CheckpointPlan
 
 __all__ = [
@@ -44,7 +43,7 @@ CHECKPOINT_KEY = "lightning_ckpt"
 """Top-level key under which a mixin strategy saves its plan state in Lightning checkpoints."""
 
 
-class ActivationCheckpointingMixin:
+class ActivationCheckpointingMixin(EngineDoor):
     """Gives a Lightning strategy the behaviour of :class:`~lightning_ckpt.ActivationCheckpointing`.
 
     It drives the same engine as the callback, at the strategy's own model-setup step:
@@ -90,20 +89,6 @@ class ActivationCheckpointingMixin:
         super().__init__(*args, **kwargs)
         setattr(self, ENGINE_ATTR, engine)
         check_strategy(self)
-
-    @property
-    def _engine(self) -> CheckpointingEngine:
-        return getattr(self, ENGINE_ATTR)
-
-    @property
-    def plan(self) -> Optional[CheckpointPlan]:
-        """The applied :class:`~lightning_ckpt.wrap.CheckpointPlan`, or ``None`` before ``fit``."""
-        return self._engine.plan
-
-    @property
-    def policy(self) -> Policy:
-        """The configured policy."""
-        return self._engine.policy
 
     def connect(self, model: "pl.LightningModule") -> None:
         self._engine.begin_run()  # called first thing in every Trainer run, before any checkpoint is read

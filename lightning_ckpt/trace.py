@@ -49,13 +49,15 @@ import time
 import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from lightning_ckpt.planner import LedgerPlan
 
 __all__ = [
     "ActivationTracker",
@@ -601,7 +603,7 @@ def _state_tensors(obj: Any, prefix: str = "") -> Iterator[Tuple[str, torch.Tens
 
 
 @dataclass(frozen=True)
-class ModelPlan:
+class ModelPlan(LedgerPlan):
     """The ledger predicted for a real model; every figure in bytes. Same keys as
     :class:`lightning_ckpt.planner.LedgerPlan` (``params`` … ``crosses``, ``inputs``), plus what the trace saw.
 
@@ -613,33 +615,12 @@ class ModelPlan:
         trace_s: per policy, seconds the fake forward and backward took.
     """
 
-    params: int
-    grads: int
-    optimizer: int
-    master: int
-    model_state: int
-    hidden_tensor: int
-    boundary_all: int
-    block_interior: int
-    activations: Dict[str, int]
-    peak: Dict[str, int]
-    capacity: Optional[int]
-    fits: Dict[str, Optional[bool]]
-    crosses: Dict[str, Optional[str]]
-    inputs: Dict[str, object] = field(default_factory=dict)
     model: str = ""
     num_params: int = 0
     blocks: int = 0
     block_class: str = ""
     replay_interior: Dict[str, int] = field(default_factory=dict)
     trace_s: Dict[str, float] = field(default_factory=dict)
-
-    def as_json(self) -> Dict[str, object]:
-        return asdict(self)
-
-    def lines(self) -> List[Tuple[str, int]]:
-        return [("parameters", self.params), ("gradients", self.grads), ("optimizer moments", self.optimizer),
-                ("master copy", self.master)]
 
 
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:

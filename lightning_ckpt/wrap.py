@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch

@@ -125,7 +125,7 @@ def test_policy_object_is_accepted_and_reported_as_its_string(tmp_path):
         ({"policy": "evry:2"}, ValueError, r"Unknown policy 'evry:2'.*Did you mean 'every'.*every:N"),
         ({"policy": "every:0"}, ValueError, r"every:0"),
         ({"policy": 3}, TypeError, r"policy=3"),
-        ({"policy": "budget:0.5"}, ValueError, r"budget:0.5.*fixed policy"),
+        ({"policy": "budget:0.5"}, ValueError, r"budget:0.5.*capacity='24GiB'"),  # a fraction needs a capacity on CPU
         ({"determinism_check": "sometimes"}, ValueError, r"'sometimes'.*\['default', 'none'\]"),
         ({"preserve_rng_state": "yes"}, TypeError, r"preserve_rng_state='yes'"),
         ({"blocks": 3}, TypeError, r"blocks=3.*class name"),
