@@ -6,7 +6,6 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
 
 from _lightning_models import TinyTransformer, params_of, trainer_kwargs
 from lightning_ckpt import ActivationCheckpointing, get_plan
