@@ -8,14 +8,6 @@ from lightning_ckpt.meter import StepMeter, StepReading
 from lightning_ckpt.units import GiB, MiB
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _nbytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 

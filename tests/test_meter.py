@@ -18,15 +18,6 @@ CFG = GPTConfig.tiny(n_layer=4, n_embd=64, n_head=4, vocab_size=96, block_size=6
 B, T = 2, 64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: a second OpenMP thread only adds spin-waiting on a busy CI machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _gpt(policy, seed=0):
     torch.manual_seed(seed)
     model = GPT(CFG)

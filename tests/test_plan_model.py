@@ -28,15 +28,6 @@ ARCHITECTURES = [
 B, T = 2, 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two OpenMP threads on two shared cores spin against each other; one is faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _measure(target, init_args):
     """What the activation meter reports on a real CPU step per policy, and the real model state after a step."""
     torch.manual_seed(0)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from lightning_ckpt.__main__ import main
 from lightning_ckpt.profile import ProfileResult, profile, read_slopes, recommend
@@ -18,15 +17,6 @@ GPT = "lightning_ckpt.demos.lightning_gpt:GPTLightningModule"
 TINY = json.dumps(dict(n_layer=2, n_embd=32, n_head=2, block_size=32))
 HERE = Path(__file__).parent
 MiB = 2**20
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two OpenMP threads on two shared cores spin against each other (100x slower steps); use one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
