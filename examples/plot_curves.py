@@ -1,8 +1,8 @@
 """Render the memory ledger, tokens/s and checkpointing curves of a run from its TensorBoard event files.
 
-Reads what :class:`lightning_ckpt.ActivationCheckpointing` logged (``memory/*_gib``, ``throughput/tokens_per_sec``,
-``checkpointing/blocks``, ``checkpointing/level``) with TensorBoard's ``EventAccumulator`` and draws three panels
-with matplotlib (Agg backend, no display needed)::
+Reads what :class:`lightning_ckpt.ActivationCheckpointing` logged (``memory/*_gib``,
+``throughput/tokens_per_sec``, ``checkpointing/blocks``, ``checkpointing/level``) with TensorBoard's
+``EventAccumulator`` and draws three panels with matplotlib (Agg backend, no display needed)::
 
     python examples/train_gpt.py --max-steps 60        # writes runs/gpt/version_N
     python examples/plot_curves.py                     # newest runs/gpt/version_* -> docs/memory_curves.png
@@ -53,8 +53,10 @@ def newest_run(root: str) -> str:
         if m and glob.glob(os.path.join(folder, "events.out.tfevents.*")):
             runs.append((int(m.group(1)), folder))
     if not runs:
-        raise SystemExit(f"plot_curves: no runs/…/version_N with event files under {root!r}; run "
-                         "`python examples/train_gpt.py` first or pass the run folder.")
+        raise SystemExit(
+            f"plot_curves: no runs/…/version_N with event files under {root!r}; run "
+            "`python examples/train_gpt.py` first or pass the run folder."
+        )
     return max(runs)[1]
 
 
@@ -72,11 +74,16 @@ def read_scalars(run_dir: str) -> Dict[str, Series]:
 def render(scalars: Dict[str, Series], out: str, prefix: str = "", title: Optional[str] = None) -> List[str]:
     """Draw the three panels; returns the tags drawn (raises if the run holds no ``memory/`` lines)."""
     root = f"{prefix}/" if prefix else ""
-    memory = [(f"{root}memory/{key}_gib", label, color, style) for key, label, color, style in MEMORY_LINES
-              if f"{root}memory/{key}_gib" in scalars]
+    memory = [
+        (f"{root}memory/{key}_gib", label, color, style)
+        for key, label, color, style in MEMORY_LINES
+        if f"{root}memory/{key}_gib" in scalars
+    ]
     if not memory:
-        raise SystemExit(f"plot_curves: no {root}memory/*_gib scalars in this run; was it trained with "
-                         "ActivationCheckpointing(measure=True) and a logger?")
+        raise SystemExit(
+            f"plot_curves: no {root}memory/*_gib scalars in this run; was it trained with "
+            "ActivationCheckpointing(measure=True) and a logger?"
+        )
     peak = max(max(scalars[tag][1]) for tag, *_ in memory)
     unit, scale = ("GiB", 1.0) if peak >= 1.0 else ("MiB", 1024.0)
 
@@ -88,8 +95,15 @@ def render(scalars: Dict[str, Series], out: str, prefix: str = "", title: Option
         ax.plot(steps, [v * scale for v in values], style, color=color, label=label, marker=".", markersize=4)
         drawn.append(tag)
     if not any("peak_allocated" in tag for tag, *_ in memory):
-        ax.text(0.02, 0.5, "no allocator lines: CPU run (peak allocated/reserved,\nother and cache exist on CUDA only)",
-                transform=ax.transAxes, fontsize=7, color="#555555", va="center")
+        ax.text(
+            0.02,
+            0.5,
+            "no allocator lines: CPU run (peak allocated/reserved,\nother and cache exist on CUDA only)",
+            transform=ax.transAxes,
+            fontsize=7,
+            color="#555555",
+            va="center",
+        )
     ax.set_title("Memory ledger (per optimizer step)")
     ax.set_xlabel("step")
     ax.set_ylabel(unit)
@@ -108,8 +122,10 @@ def render(scalars: Dict[str, Series], out: str, prefix: str = "", title: Option
     ax.set_ylim(bottom=0)
 
     ax = axes[2]
-    for tag, label, color in ((f"{root}checkpointing/blocks", "blocks checkpointed", "#e377c2"),
-                              (f"{root}checkpointing/level", "ladder level", "#bcbd22")):
+    for tag, label, color in (
+        (f"{root}checkpointing/blocks", "blocks checkpointed", "#e377c2"),
+        (f"{root}checkpointing/level", "ladder level", "#bcbd22"),
+    ):
         if tag in scalars:
             steps, values = scalars[tag]
             ax.step(steps, values, where="post", color=color, label=label, marker=".", markersize=4)
@@ -134,8 +150,12 @@ def render(scalars: Dict[str, Series], out: str, prefix: str = "", title: Option
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run", nargs="?", default=None,
-                   help="a run folder with event files (default: the newest runs/gpt/version_*)")
+    p.add_argument(
+        "run",
+        nargs="?",
+        default=None,
+        help="a run folder with event files (default: the newest runs/gpt/version_*)",
+    )
     p.add_argument("--runs", default="runs/gpt", help="where to look for version_* when no run is given")
     p.add_argument("--out", default=str(ROOT / "docs" / "memory_curves.png"))
     p.add_argument("--prefix", default="", help="the callback's prefix argument, if one was used")

@@ -37,19 +37,10 @@ from lightning_ckpt.units import GiB
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: a second OpenMP thread only adds spin-waiting on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def _events(logdir) -> "EventAccumulator":  # noqa: F821
+def _events(logdir) -> EventAccumulator:  # noqa: F821
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     files = glob.glob(os.path.join(str(logdir), "**", "events.out.tfevents.*"), recursive=True)
@@ -84,7 +75,9 @@ class Record(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.optimizer_state_before_first_step is None:
             self.optimizer_state_before_first_step = (
-                len(optimizer.state), model_state_bytes(pl_module, [optimizer]).optimizer)
+                len(optimizer.state),
+                model_state_bytes(pl_module, [optimizer]).optimizer,
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.fit_loop._should_accumulate():
@@ -146,9 +139,17 @@ def test_activation_line_within_10_percent_of_a_live_tensor_tracker(tmp_path, po
     model = _gpt(T=T)
     cb = ActivationCheckpointing(policy=policy)
     rec = Record(cb)
-    Trainer(callbacks=[cb, rec], **trainer_kwargs(
-        tmp_path, max_steps=2, log_every_n_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
-        logger=TensorBoardLogger(str(tmp_path), name="tb"))).fit(model, datamodule=SameBatch(batch))
+    Trainer(
+        callbacks=[cb, rec],
+        **trainer_kwargs(
+            tmp_path,
+            max_steps=2,
+            log_every_n_steps=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=TensorBoardLogger(str(tmp_path), name="tb"),
+        ),
+    ).fit(model, datamodule=SameBatch(batch))
     logged = _series(_events(tmp_path), "memory/activations_gib")
     assert sorted(logged) == [0, 1]
     measured = _bytes(logged[1])  # step 1: the replay interiors were calibrated at step 0 and are reused
@@ -164,8 +165,10 @@ def test_activation_line_within_10_percent_of_a_live_tensor_tracker(tmp_path, po
 
     reference = common.measure_memory(step, external=(model, batch["input_ids"], batch["labels"])).act_peak
     error = measured / reference - 1
-    print(f"{policy}: callback {measured / 2**20:.3f} MiB, MemTracker ACT peak {reference / 2**20:.3f} MiB, "
-          f"error {error:+.1%}")
+    print(
+        f"{policy}: callback {measured / 2**20:.3f} MiB, MemTracker ACT peak {reference / 2**20:.3f} MiB, "
+        f"error {error:+.1%}"
+    )
     assert abs(error) <= 0.10
 
 
@@ -174,9 +177,16 @@ def test_activation_line_falls_with_checkpointing(tmp_path):
     figures = {}
     for policy in ("none", "every:2", "all"):
         cb = ActivationCheckpointing(policy=policy)
-        Trainer(callbacks=[cb], **trainer_kwargs(tmp_path / policy, max_steps=1, log_every_n_steps=1,
-                                                 limit_val_batches=0, num_sanity_val_steps=0)
-                ).fit(_gpt(), datamodule=SameBatch(batch))
+        Trainer(
+            callbacks=[cb],
+            **trainer_kwargs(
+                tmp_path / policy,
+                max_steps=1,
+                log_every_n_steps=1,
+                limit_val_batches=0,
+                num_sanity_val_steps=0,
+            ),
+        ).fit(_gpt(), datamodule=SameBatch(batch))
         figures[policy] = cb.last_metrics["memory/activations_gib"]
     assert figures["none"] > figures["every:2"] > figures["all"] > 0, figures
 
@@ -193,20 +203,31 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def test_model_state_lines_equal_numel_times_element_size_and_adam_state_appears_after_the_first_step(tmp_path):
+def test_model_state_lines_equal_numel_times_element_size_and_adam_state_appears_after_the_first_step(
+    tmp_path,
+):
     """GPT (tied embedding) + AdamW with two parameter groups, every step logged.
 
     The ledger is built after the optimizer step of the step it reports (gradients are still there, Lightning
-    zeroes them before the next forward). So the *first logged* optimizer figure (step 0) already holds AdamW's
-    state, which the step itself created: ``exp_avg`` + ``exp_avg_sq`` (each a float32 copy of the parameter) and
-    a float32 scalar ``step`` per parameter. Right before that first ``optimizer.step()`` the state is empty.
+    zeroes them before the next forward). So the *first logged* optimizer figure (step 0) already holds
+    AdamW's state, which the step itself created: ``exp_avg`` + ``exp_avg_sq`` (each a float32 copy of the
+    parameter) and a float32 scalar ``step`` per parameter. Right before that first ``optimizer.step()`` the
+    state is empty.
     """
     model = _gpt(n_layer=2, n_embd=32, T=32)
     cb = ActivationCheckpointing(policy="every:2")
     rec = Record(cb)
-    Trainer(callbacks=[cb, rec], **trainer_kwargs(
-        tmp_path, max_steps=3, log_every_n_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
-        logger=TensorBoardLogger(str(tmp_path), name="tb"))).fit(model, datamodule=SameBatch(_batch(2, 32)))
+    Trainer(
+        callbacks=[cb, rec],
+        **trainer_kwargs(
+            tmp_path,
+            max_steps=3,
+            log_every_n_steps=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=TensorBoardLogger(str(tmp_path), name="tb"),
+        ),
+    ).fit(model, datamodule=SameBatch(_batch(2, 32)))
 
     params = list(model.parameters())
     assert model.model.transformer.wte.weight is model.model.lm_head.weight  # tied: counted once
@@ -235,14 +256,28 @@ def test_optimizer_without_state_logs_a_measured_zero(tmp_path):
     """Plain SGD keeps no state: the optimizer line is a real 0 (measured), and it is logged as 0."""
     model = TinyTransformer(optimizer="sgd")
     cb = ActivationCheckpointing(policy="all")
-    Trainer(callbacks=[cb], **trainer_kwargs(
-        tmp_path, max_steps=2, log_every_n_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
-        logger=TensorBoardLogger(str(tmp_path), name="tb"))).fit(model)
+    Trainer(
+        callbacks=[cb],
+        **trainer_kwargs(
+            tmp_path,
+            max_steps=2,
+            log_every_n_steps=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=TensorBoardLogger(str(tmp_path), name="tb"),
+        ),
+    ).fit(model)
     acc = _events(tmp_path)
     assert _series(acc, "memory/optimizer_gib") == {0: 0.0, 1: 0.0}
     param_bytes = _nbytes(list(model.parameters()))
-    assert {s: _bytes(v) for s, v in _series(acc, "memory/params_gib").items()} == {0: param_bytes, 1: param_bytes}
-    assert {s: _bytes(v) for s, v in _series(acc, "memory/grads_gib").items()} == {0: param_bytes, 1: param_bytes}
+    assert {s: _bytes(v) for s, v in _series(acc, "memory/params_gib").items()} == {
+        0: param_bytes,
+        1: param_bytes,
+    }
+    assert {s: _bytes(v) for s, v in _series(acc, "memory/grads_gib").items()} == {
+        0: param_bytes,
+        1: param_bytes,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ tokens/s
@@ -325,9 +360,18 @@ def test_tokens_per_sec_agrees_with_an_outside_clock_padding_and_validation_excl
     steps = 12
     clock, cb = OutsideClock(), ActivationCheckpointing(policy="every:2")
     rec = Record(cb)
-    trainer = Trainer(callbacks=[clock, cb, rec], **trainer_kwargs(
-        tmp_path, max_steps=steps, log_every_n_steps=1, limit_val_batches=1, num_sanity_val_steps=0,
-        val_check_interval=5, logger=TensorBoardLogger(str(tmp_path), name="tb")))
+    trainer = Trainer(
+        callbacks=[clock, cb, rec],
+        **trainer_kwargs(
+            tmp_path,
+            max_steps=steps,
+            log_every_n_steps=1,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            val_check_interval=5,
+            logger=TensorBoardLogger(str(tmp_path), name="tb"),
+        ),
+    )
     trainer.fit(_gpt(n_layer=2, n_embd=32, T=_T), datamodule=PaddedData())
     assert clock.paused >= 2 * _VAL_S  # two validation runs happened inside the timed span
 
@@ -335,11 +379,14 @@ def test_tokens_per_sec_agrees_with_an_outside_clock_padding_and_validation_excl
     tokens = [rec.results[s].tokens for s in range(steps)]
     assert sum(tokens) == clock.tokens < steps * 4 * _T
     acc = _events(tmp_path)
-    tps, sps, step_s = (_series(acc, k) for k in
-                        ("throughput/tokens_per_sec", "throughput/samples_per_sec", "time/step_s"))
+    tps, sps, step_s = (
+        _series(acc, k) for k in ("throughput/tokens_per_sec", "throughput/samples_per_sec", "time/step_s")
+    )
     assert sorted(tps) == sorted(step_s) == list(range(steps))
     for s in range(steps):
-        assert tps[s] * step_s[s] == pytest.approx(tokens[s], rel=1e-5)  # tokens/s is this step's tokens / time
+        assert tps[s] * step_s[s] == pytest.approx(
+            tokens[s], rel=1e-5
+        )  # tokens/s is this step's tokens / time
         assert sps[s] * step_s[s] == pytest.approx(4, rel=1e-5)
 
     # every step but the first includes the loading of its batch, also the steps right after a validation run
@@ -349,8 +396,10 @@ def test_tokens_per_sec_agrees_with_an_outside_clock_padding_and_validation_excl
 
     callback_rate = sum(tps[s] * step_s[s] for s in range(steps)) / sum(step_s.values())
     outside_rate = clock.tokens / clock.seconds
-    print(f"tokens/s: callback {callback_rate:.1f}, outside clock {outside_rate:.1f}, "
-          f"ratio {callback_rate / outside_rate:.4f}; validation excluded {clock.paused:.2f} s")
+    print(
+        f"tokens/s: callback {callback_rate:.1f}, outside clock {outside_rate:.1f}, "
+        f"ratio {callback_rate / outside_rate:.4f}; validation excluded {clock.paused:.2f} s"
+    )
     assert callback_rate == pytest.approx(outside_rate, rel=0.05)
     samples_rate = sum(sps[s] * step_s[s] for s in range(steps)) / sum(step_s.values())
     assert samples_rate == pytest.approx(clock.samples / clock.seconds, rel=0.05)
@@ -359,10 +408,14 @@ def test_tokens_per_sec_agrees_with_an_outside_clock_padding_and_validation_excl
 def test_tokens_fn_overrides_the_count(tmp_path):
     cb = ActivationCheckpointing(policy="none", tokens_fn=lambda batch: 1000)
     rec = Record(cb)
-    Trainer(callbacks=[cb, rec], **trainer_kwargs(tmp_path, max_steps=2, log_every_n_steps=1,
-                                                  accumulate_grad_batches=2)).fit(TinyTransformer())
+    Trainer(
+        callbacks=[cb, rec],
+        **trainer_kwargs(tmp_path, max_steps=2, log_every_n_steps=1, accumulate_grad_batches=2),
+    ).fit(TinyTransformer())
     assert [rec.results[s].tokens for s in (0, 1)] == [2000, 2000]  # two micro-batches per optimizer step
-    assert cb.last_metrics["throughput/tokens_per_sec"] == pytest.approx(2000 / cb.last_metrics["time/step_s"])
+    assert cb.last_metrics["throughput/tokens_per_sec"] == pytest.approx(
+        2000 / cb.last_metrics["time/step_s"]
+    )
 
 
 # -------------------------------------------------------------------------------------- logger, progress bar
@@ -370,7 +423,9 @@ def test_tokens_fn_overrides_the_count(tmp_path):
 
 def test_without_a_logger_nothing_crashes_and_one_warning_is_given(tmp_path):
     cb = ActivationCheckpointing(policy="every:2")
-    trainer = Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=4, log_every_n_steps=1, logger=False))
+    trainer = Trainer(
+        callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=4, log_every_n_steps=1, logger=False)
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(TinyTransformer())
@@ -382,8 +437,9 @@ def test_without_a_logger_nothing_crashes_and_one_warning_is_given(tmp_path):
 
 def test_progress_bar_shows_activation_gib_and_tokens_per_sec(tmp_path):
     cb = ActivationCheckpointing(policy="all")
-    trainer = Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=2, log_every_n_steps=1,
-                                                       enable_progress_bar=True))
+    trainer = Trainer(
+        callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=2, log_every_n_steps=1, enable_progress_bar=True)
+    )
     trainer.fit(TinyTransformer())
     bar = trainer.progress_bar_metrics
     assert bar["act_GiB"] == pytest.approx(cb.last_metrics["memory/activations_gib"])
@@ -395,7 +451,9 @@ def test_measure_false_logs_nothing(tmp_path):
     cb = ActivationCheckpointing(policy="all", measure=False)
     trainer = Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=2, log_every_n_steps=1))
     trainer.fit(TinyTransformer())
-    assert not any(k.startswith(("memory/", "throughput/", "time/", "checkpointing/")) for k in trainer.logged_metrics)
+    assert not any(
+        k.startswith(("memory/", "throughput/", "time/", "checkpointing/")) for k in trainer.logged_metrics
+    )
     assert cb.last_metrics == {}
 
 
@@ -415,7 +473,9 @@ class RankSizedBatches(TinyTransformer):
         from _lightning_models import token_dataset
 
         data = token_dataset(64, 0)
-        return DataLoader(data, batch_size=4 * (rank + 1), sampler=DistributedSampler(data, world, rank, shuffle=False))
+        return DataLoader(
+            data, batch_size=4 * (rank + 1), sampler=DistributedSampler(data, world, rank, shuffle=False)
+        )
 
 
 class DumpMeasurements(Record):
@@ -425,8 +485,10 @@ class DumpMeasurements(Record):
 
     def on_train_end(self, trainer, pl_module):
         local = {s: r.metrics() for s, r in self.results.items() if r is not None and r.ledger is not None}
-        torch.save({"local": local, "reduced": self.metrics, "is_global_zero": trainer.is_global_zero},
-                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+        torch.save(
+            {"local": local, "reduced": self.metrics, "is_global_zero": trainer.is_global_zero},
+            os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
+        )
 
 
 @pytest.mark.slow
@@ -435,9 +497,20 @@ def test_ddp_spawn_memory_is_the_max_throughput_the_sum_and_rank_zero_writes(tmp
     out = tmp_path / "ranks"
     out.mkdir()
     cb = ActivationCheckpointing(policy="every:2", tokens_fn=rank_tokens)
-    trainer = Trainer(callbacks=[cb, DumpMeasurements(cb, str(out))], **trainer_kwargs(
-        tmp_path, devices=2, strategy="ddp_spawn", max_steps=3, log_every_n_steps=1, limit_val_batches=0,
-        num_sanity_val_steps=0, use_distributed_sampler=False, logger=TensorBoardLogger(str(tmp_path), name="tb")))
+    trainer = Trainer(
+        callbacks=[cb, DumpMeasurements(cb, str(out))],
+        **trainer_kwargs(
+            tmp_path,
+            devices=2,
+            strategy="ddp_spawn",
+            max_steps=3,
+            log_every_n_steps=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,
+            logger=TensorBoardLogger(str(tmp_path), name="tb"),
+        ),
+    )
     trainer.fit(RankSizedBatches(optimizer="sgd"))
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert (r0["is_global_zero"], r1["is_global_zero"]) == (True, False)
@@ -476,17 +549,31 @@ class CudaPeaks(Callback):
         torch.cuda.reset_peak_memory_stats()  # the callback reset them too; the step starts here
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.rows.append((self.cb.last_result.reading, torch.cuda.max_memory_allocated(),
-                          torch.cuda.max_memory_reserved(), dict(self.cb.last_metrics)))
+        self.rows.append(
+            (
+                self.cb.last_result.reading,
+                torch.cuda.max_memory_allocated(),
+                torch.cuda.max_memory_reserved(),
+                dict(self.cb.last_metrics),
+            )
+        )
 
 
 @pytest.mark.gpu
 def test_peak_allocated_matches_torch_cuda_max_memory_allocated_for_the_step(tmp_path):
     cb = ActivationCheckpointing(policy="every:2")
     peaks = CudaPeaks(cb)
-    Trainer(callbacks=[cb, peaks], **trainer_kwargs(
-        tmp_path, accelerator="gpu", max_steps=3, log_every_n_steps=1, limit_val_batches=0,
-        num_sanity_val_steps=0)).fit(_gpt(n_layer=4, n_embd=128, T=128), datamodule=SameBatch(_batch(8, 128)))
+    Trainer(
+        callbacks=[cb, peaks],
+        **trainer_kwargs(
+            tmp_path,
+            accelerator="gpu",
+            max_steps=3,
+            log_every_n_steps=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+        ),
+    ).fit(_gpt(n_layer=4, n_embd=128, T=128), datamodule=SameBatch(_batch(8, 128)))
     assert len(peaks.rows) == 3
     for reading, allocated, reserved, metrics in peaks.rows:
         # the callback read its figures just before this callback's read; in between only a few scalars were
@@ -496,5 +583,7 @@ def test_peak_allocated_matches_torch_cuda_max_memory_allocated_for_the_step(tmp
         # reserved: those scalars could at most have opened one new 2 MiB small-block segment
         assert reserved - 2 * 2**20 <= reading.peak_reserved <= reserved
         assert {"memory/other_gib", "memory/cache_gib", "memory/peak_reserved_gib"} <= set(metrics)
-        assert metrics["memory/cache_gib"] == pytest.approx((reading.peak_reserved - reading.peak_allocated) / GiB)
+        assert metrics["memory/cache_gib"] == pytest.approx(
+            (reading.peak_reserved - reading.peak_allocated) / GiB
+        )
         assert math.isfinite(metrics["memory/other_gib"]) and metrics["memory/other_gib"] >= 0

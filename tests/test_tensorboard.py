@@ -1,7 +1,7 @@
-"""What the callback's measurement leaves in TensorBoard: event files, the custom-scalars layout, a live server.
+"""What the callback's measurement leaves in TensorBoard: event files, custom-scalars layout, a live server.
 
-Runs ``Trainer.fit`` on the CPU with a ``TensorBoardLogger`` and reads the event files back with TensorBoard's own
-``EventAccumulator`` (and, once, over the HTTP data API of a real ``tensorboard`` process).
+Runs ``Trainer.fit`` on the CPU with a ``TensorBoardLogger`` and reads the event files back with TensorBoard's
+own ``EventAccumulator`` (and, once, over the HTTP data API of a real ``tensorboard`` process).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import urllib.parse
 import urllib.request
 
 import pytest
-import torch
 from _lightning_models import SEQ, TinyTransformer, trainer_kwargs
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -44,17 +43,14 @@ CPU_TAGS = {
     "time/step_s",
     "checkpointing/blocks",
 }
-CUDA_ONLY_TAGS = {"memory/peak_allocated_gib", "memory/peak_reserved_gib", "memory/other_gib", "memory/cache_gib"}
+CUDA_ONLY_TAGS = {
+    "memory/peak_allocated_gib",
+    "memory/peak_reserved_gib",
+    "memory/other_gib",
+    "memory/cache_gib",
+}
 _OUR_ROOTS = ("memory/", "throughput/", "time/", "checkpointing/")
 BATCH = 8
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _event_file(root) -> str:
@@ -70,7 +66,8 @@ def _accumulator(root) -> EventAccumulator:
 
 
 def _layout(acc: EventAccumulator) -> layout_pb2.Layout:
-    """The custom-scalars layout as TensorBoard's plugin reads it: a serialized ``Layout`` in a string tensor."""
+    """The custom-scalars layout as TensorBoard's plugin reads it: a serialized ``Layout`` in a string
+    tensor."""
     tag = custom_scalar_metadata.CONFIG_SUMMARY_TAG
     assert tag in acc.Tags()["tensors"]
     assert acc.SummaryMetadata(tag).plugin_data.plugin_name == custom_scalar_metadata.PLUGIN_NAME
@@ -82,8 +79,12 @@ def _layout(acc: EventAccumulator) -> layout_pb2.Layout:
 
 def _fit(tmp_path, policy="every:2", **overrides):
     cb = ActivationCheckpointing(policy=policy, prefix=overrides.pop("prefix", ""))
-    kwargs = dict(max_steps=5, limit_val_batches=0, num_sanity_val_steps=0,
-                  logger=TensorBoardLogger(str(tmp_path), name="tb"))
+    kwargs = dict(
+        max_steps=5,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=TensorBoardLogger(str(tmp_path), name="tb"),
+    )
     kwargs.update(overrides)
     trainer = Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, **kwargs))
     trainer.fit(TinyTransformer(batch_size=BATCH))
@@ -103,7 +104,8 @@ def test_event_files_hold_every_cpu_tag_at_the_expected_steps(tmp_path, accumula
     assert ours == CPU_TAGS  # no peak_allocated/peak_reserved/other/cache on the CPU: absent, not zero
     assert not ours & CUDA_ONLY_TAGS
 
-    # one point per logged *optimizer* step, at Lightning's step index (log_every_n_steps counts optimizer steps)
+    # one point per logged *optimizer* step, at Lightning's step index (log_every_n_steps counts optimizer
+    # steps)
     expected = [k for k in range(steps) if (k + 1) % every == 0]
     series = {}
     for tag in sorted(CPU_TAGS):
@@ -132,9 +134,19 @@ def test_custom_scalars_layout_puts_the_ledger_in_one_memory_chart(tmp_path):
     memory = layout.category[0]
     assert len(memory.chart) == 1 and memory.chart[0].WhichOneof("content") == "multiline"
     memory_tags = list(memory.chart[0].multiline.tag)
-    assert set(memory_tags) == {f"ac/memory/{k}_gib" for k in
-                                ("params", "grads", "optimizer", "activations", "peak_allocated",
-                                 "peak_reserved", "other", "cache")}
+    assert set(memory_tags) == {
+        f"ac/memory/{k}_gib"
+        for k in (
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "peak_allocated",
+            "peak_reserved",
+            "other",
+            "cache",
+        )
+    }
     charted = [t for c in layout.category for chart in c.chart for t in chart.multiline.tag]
     # every line the run logged is drawn somewhere (multiline tags are regular expressions in TensorBoard)
     logged = [t for t in acc.Tags()["scalars"] if t.startswith("ac/")]
@@ -150,7 +162,9 @@ def test_default_layout_constant_matches_what_is_written(tmp_path):
     _fit(tmp_path, max_steps=1, log_every_n_steps=1)
     layout = _layout(_accumulator(tmp_path))
     written = {c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart} for c in layout.category}
-    expected = {cat: {title: spec[1] for title, spec in charts.items()} for cat, charts in TENSORBOARD_LAYOUT.items()}
+    expected = {
+        cat: {title: spec[1] for title, spec in charts.items()} for cat, charts in TENSORBOARD_LAYOUT.items()
+    }
     assert written == expected
 
 
@@ -212,17 +226,34 @@ def tensorboard_server(tmp_path):
         port = _free_port()
         log = open(tmp_path / "tensorboard.log", "wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1",
-             "--port", str(port), "--load_fast", "false", "--reload_interval", "0"],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "tensorboard.main",
+                "--logdir",
+                logdir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--load_fast",
+                "false",
+                "--reload_interval",
+                "0",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         procs.append((proc, log))
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
                 log.flush()
-                raise AssertionError(f"tensorboard exited with {proc.returncode}: "
-                                     f"{(tmp_path / 'tensorboard.log').read_text()[-2000:]}")
+                raise AssertionError(
+                    f"tensorboard exited with {proc.returncode}: "
+                    f"{(tmp_path / 'tensorboard.log').read_text()[-2000:]}"
+                )
             try:
                 if _get_json(base + "/data/runs"):  # up, and the run is loaded
                     return base
@@ -265,4 +296,5 @@ def test_a_tensorboard_server_serves_the_activation_curve_and_the_layout(tmp_pat
     assert titles == ["Memory", "Throughput", "Checkpointing"]
     memory_tags = layout["category"][0]["chart"][0]["multiline"]["tag"]
     assert {"memory/activations_gib", "memory/params_gib", "memory/grads_gib", "memory/optimizer_gib"} <= set(
-        memory_tags)
+        memory_tags
+    )
