@@ -6,6 +6,7 @@ Reads what :class:`lightning_ckpt.ActivationCheckpointing` logged (``memory/*_gi
 
     python examples/train_gpt.py --max-steps 60        # writes runs/gpt/version_N
     python examples/plot_curves.py                     # newest runs/gpt/version_* -> docs/memory_curves.png
+    python examples/plot_curves.py --logdir runs/gpt --out docs/memory_curves.png   # the same, spelled out
     python examples/plot_curves.py runs/gpt/version_3 --out curves.png --prefix ""
 
 Lines that were not logged are left out (on a CPU there are no allocator lines: ``peak_allocated``,
@@ -156,7 +157,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         default=None,
         help="a run folder with event files (default: the newest runs/gpt/version_*)",
     )
-    p.add_argument("--runs", default="runs/gpt", help="where to look for version_* when no run is given")
+    p.add_argument("--logdir", "--runs", dest="runs", default="runs/gpt",
+                   help="where to look for the newest version_* when no run is given (default runs/gpt)")
     p.add_argument("--out", default=str(ROOT / "docs" / "memory_curves.png"))
     p.add_argument("--prefix", default="", help="the callback's prefix argument, if one was used")
     args = p.parse_args(argv)
