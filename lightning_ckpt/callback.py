@@ -23,11 +23,11 @@ from lightning_ckpt._engine import (
 from lightning_ckpt.blocks import BlockSelector
 from lightning_ckpt.budget import BudgetCalibration
 from lightning_ckpt.controller import DEFAULT_LADDER, Controller, resolve_threshold
-from lightning_ckpt.meter import device_capacity
+from lightning_ckpt.meter import count_samples, device_capacity, sequence_length
 from lightning_ckpt.monitor import StepMonitor, StepResult
 from lightning_ckpt.oom import OutOfMemoryDiagnosis, PhaseTracker, diagnose, is_out_of_memory
 from lightning_ckpt.policy import BudgetPolicy, Policy, parse_policy
-from lightning_ckpt.report import ledger_report, report_text
+from lightning_ckpt.report import ledger_report, length_reading, report_text
 from lightning_ckpt.safety import STATEFUL_CHOICES, preflight
 from lightning_ckpt.units import GiB, parse_size
 from lightning_ckpt.verify import verify_equivalence
@@ -228,6 +228,8 @@ class ActivationCheckpointing(EngineDoor, Callback):
         self._forward_hook = None
         self._replay_handle = None
         self._replaying: Optional[str] = None  # the region replayed last: named when its replay misbehaves
+        self._by_length: Dict[int, float] = {}  # sequence length -> activation bytes per sample (report)
+        self._batch_shape: Optional[tuple] = None
 
     # ------------------------------------------------------------------------------ argument validation
     def _check_arguments(self, auto_threshold, capacity, on_oom, stateful, exact_every_n_steps, prefix) -> None:
@@ -361,6 +363,7 @@ class ActivationCheckpointing(EngineDoor, Callback):
         if self.monitor is None:
             return
         if not self.monitor.in_step:
+            self._batch_shape = (sequence_length(batch), count_samples(batch))
             if self.calibration is not None and not self.calibration.done:
                 self.calibration.begin_step()
             self.monitor.begin_step(measure=self._measuring_this_step(trainer))
@@ -401,6 +404,7 @@ class ActivationCheckpointing(EngineDoor, Callback):
         self.last_result = result
         if result.ledger is None:
             return
+        self._note_length(result)
         metrics = result.metrics(self.prefix)
         metrics = self._reduce(trainer, metrics)
         if self.controller is not None:
@@ -415,6 +419,12 @@ class ActivationCheckpointing(EngineDoor, Callback):
             for message in self.calibration.messages:
                 rank_zero_info(f"lightning_ckpt: {message}")
             self.calibration.messages.clear()
+
+    def _note_length(self, result: StepResult) -> None:
+        length, samples = self._batch_shape or (None, 0)
+        if length and samples and result.ledger.activations:
+            per_sample = result.ledger.activations / samples
+            self._by_length[length] = max(self._by_length.get(length, 0.0), per_sample)
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -545,7 +555,9 @@ class ActivationCheckpointing(EngineDoor, Callback):
         if self.last_result is None or self.last_result.ledger is None:
             return "lightning_ckpt: no step has been measured yet."
         plan = self.plan
+        reading = length_reading(sorted(self._by_length.items()))
         data = ledger_report(self.last_result.ledger, plan.spec if plan else "none", self.ladder,
+                             history={"activations_vs_seq_len": reading} if reading else None,
                              all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks))
         folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None
         if folder is not None and trainer.is_global_zero:

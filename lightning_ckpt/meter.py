@@ -72,7 +72,8 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.wrap import register_replay_hook
 
-__all__ = ["StepMeter", "StepReading", "count_tokens", "count_samples", "cuda_peaks", "device_capacity"]
+__all__ = ["StepMeter", "StepReading", "count_tokens", "count_samples", "sequence_length", "cuda_peaks",
+           "device_capacity"]
 
 
 # ------------------------------------------------------------------------------------------------- readings
@@ -604,6 +605,12 @@ def _token_tensor(batch: Any) -> Optional[torch.Tensor]:
             if isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex():
                 return t
     return _first_tensor(batch)
+
+
+def sequence_length(batch: Any) -> Optional[int]:
+    """The token tensor's last dimension (``None`` for a batch without a 2-D token tensor)."""
+    t = _token_tensor(batch)
+    return int(t.shape[-1]) if t is not None and t.dim() >= 2 else None
 
 
 def count_samples(batch: Any) -> int:

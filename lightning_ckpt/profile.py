@@ -56,7 +56,6 @@ import contextlib
 import gc
 import inspect
 import json
-import math
 import os
 import re
 import statistics
@@ -68,6 +67,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from lightning_ckpt.report import loglog_slope
 from lightning_ckpt.units import format_bytes
 
 __all__ = ["profile", "ProfileResult", "ProfileReport", "read_slopes", "recommend", "DEFAULT_POLICIES",
@@ -170,16 +170,6 @@ def recommend(results: Sequence[ProfileResult], budget: Optional[int]) -> Option
             "budget": budget, "text": text}
 
 
-def _loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
-    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
-    if len(pts) < 2 or len({p[0] for p in pts}) < 2:
-        return None
-    mx = sum(p[0] for p in pts) / len(pts)
-    my = sum(p[1] for p in pts) / len(pts)
-    den = sum((p[0] - mx) ** 2 for p in pts)
-    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den
-
-
 def read_slopes(results: Sequence[ProfileResult], micro_batch: int, seq_len: int,
                 policy: Optional[str] = None) -> Dict[str, Any]:
     """The seed's reading of how memory responds to tokens and to length (pure; see the module docstring).
@@ -206,7 +196,7 @@ def read_slopes(results: Sequence[ProfileResult], micro_batch: int, seq_len: int
         lo, hi = by_mb[0], by_mb[-1]
         ratio = hi.tokens_per_step / lo.tokens_per_step
         growth = hi.peak / lo.peak - 1
-        elasticity = _loglog_slope([r.tokens_per_step for r in by_mb], [r.peak for r in by_mb])
+        elasticity = loglog_slope([r.tokens_per_step for r in by_mb], [r.peak for r in by_mb])
         share = (hi.activations / hi.peak) if hi.activations is not None and hi.peak else None
         verdict = "flat" if elasticity is not None and elasticity < 0.1 else "grows"
         out["tokens"] = {"verdict": verdict, "token_ratio": ratio, "peak_growth": growth, "elasticity": elasticity,
@@ -224,7 +214,7 @@ def read_slopes(results: Sequence[ProfileResult], micro_batch: int, seq_len: int
 
     by_len = sorted((r for r in rows if r.micro_batch == micro_batch and r.activations), key=lambda r: r.seq_len)
     if len(by_len) >= 2 and by_len[-1].seq_len > by_len[0].seq_len:
-        k = _loglog_slope([r.seq_len for r in by_len], [r.activations for r in by_len])
+        k = loglog_slope([r.seq_len for r in by_len], [r.activations for r in by_len])
         lo, hi = by_len[0], by_len[-1]
         ratio = hi.seq_len / lo.seq_len
         growth = hi.activations / lo.activations

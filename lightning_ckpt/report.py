@@ -8,14 +8,43 @@ zero and writes the JSON beside the logs.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from lightning_ckpt.ledger import Ledger
 from lightning_ckpt.units import GiB
 
-__all__ = ["ledger_report", "report_text", "suggest_policy"]
+__all__ = ["ledger_report", "report_text", "suggest_policy", "loglog_slope", "length_reading"]
 
 _FRAGMENTATION_SHARE = 0.25  # reserved − allocated above this share of reserved reads as fragmentation
+
+
+def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
+    """Least-squares slope of log(y) on log(x): 1 = proportional, 2 = grows with the square."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
+    if len(pts) < 2 or len({p[0] for p in pts}) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    den = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den
+
+
+def length_reading(points: Sequence[Tuple[int, float]]) -> Optional[str]:
+    """The seed's reading of activation bytes per sample against sequence length, when lengths varied.
+
+    ``points``: (sequence length, activation bytes per sample) of measured steps; ``None`` with fewer than two
+    distinct lengths.
+    """
+    k = loglog_slope([p[0] for p in points], [p[1] for p in points])
+    if k is None:
+        return None
+    if k >= 1.5:
+        return (f"Activation bytes per sample grow with the square of sequence length (log-log slope {k:.2f} over "
+                f"lengths {sorted({p[0] for p in points})}): a materialized attention matrix; use a fused "
+                "attention kernel (scaled_dot_product_attention / flash) before checkpointing more.")
+    return (f"Activation bytes per sample grow about linearly with sequence length (log-log slope {k:.2f}): no "
+            "attention matrix is materialized.")
 
 
 def suggest_policy(current: str, ladder: Sequence[str], all_checkpointed: bool = False) -> str:

@@ -210,3 +210,54 @@ def test_determinism_check_failure_names_the_block(tmp_path):
     with pytest.raises(CheckpointError, match=r"block 'layers.2' computed something different") as err:
         Trainer(**trainer_kwargs(tmp_path, max_steps=2), callbacks=[cb]).fit(ShapeModel())
     assert isinstance(err.value.__cause__, CheckpointError) and "pure function" in str(err.value)
+
+
+def test_length_reading_separates_linear_from_quadratic_growth():
+    from lightning_ckpt.report import length_reading, loglog_slope
+
+    assert loglog_slope([1, 2, 4], [3, 6, 12]) == pytest.approx(1.0)
+    assert loglog_slope([1], [1]) is None
+    quadratic = length_reading([(64, 64**2 * 10.0), (128, 128**2 * 10.0), (256, 256**2 * 10.0)])
+    assert "square of sequence length" in quadratic and "fused attention" in quadratic
+    assert "linearly" in length_reading([(64, 640.0), (128, 1280.0)])
+    assert length_reading([(64, 1.0)]) is None
+
+
+class EagerAttention(nn.Module):
+    """Materializes the T × T attention matrix (softmax output saved for backward)."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
+        return x + self.out((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class VariableLength(TinyTransformer):
+    def _build(self):
+        super()._build()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList(EagerAttention() for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        batches = []
+        for t in (64, 128, 256, 64, 128, 256):
+            x = torch.randint(0, VOCAB, (2, t), generator=g)
+            batches.append((x, (x + 1) % VOCAB))
+        return torch.utils.data.DataLoader(batches, batch_size=None)  # pre-batched: one length per step
+
+
+def test_report_reads_quadratic_growth_from_steps_of_different_lengths(tmp_path):
+    seed_everything(0)
+    cb = ActivationCheckpointing(policy="none")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=6, log_every_n_steps=1, limit_val_batches=0,
+                                       num_sanity_val_steps=0), callbacks=[cb])
+    trainer.fit(VariableLength())
+    assert sorted(cb._by_length) == [64, 128, 256]
+    assert "square of sequence length" in cb.report(trainer)
