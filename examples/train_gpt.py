@@ -5,6 +5,7 @@ Runs in well under two minutes on two CPU cores::
     python examples/train_gpt.py                       # every second block recomputed
     python examples/train_gpt.py --policy all --max-steps 30
     python examples/train_gpt.py --policy none         # measure only, for comparison
+    python examples/train_gpt.py --auto-threshold 8MiB --log-every 1   # start plain, checkpoint when needed
     tensorboard --logdir runs                          # memory and throughput curves
 
 On a CPU the memory curves are small and the allocator lines are absent; the run shows that the
@@ -41,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--auto-threshold", default=None,
+                   help="raise checkpointing when the activation peak crosses this size (e.g. 8MiB)")
+    p.add_argument("--log-every", type=int, default=5, help="log_every_n_steps")
     return p.parse_args(argv)
 
 
@@ -51,14 +55,17 @@ def main(argv: list[str] | None = None) -> None:
         n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, block_size=args.seq_len, dropout=0.1
     )
     data = CharDataModule(batch_size=args.batch_size, seq_len=args.seq_len)
-    callback = ActivationCheckpointing(policy=args.policy)
+    if args.auto_threshold is None:
+        callback = ActivationCheckpointing(policy=args.policy)
+    else:  # the ladder none -> every:2 -> all, starting at the bottom
+        callback = ActivationCheckpointing(auto_threshold=args.auto_threshold)
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=1,
         max_steps=args.max_steps,
         callbacks=[callback],
         logger=TensorBoardLogger(args.logdir, name="gpt"),
-        log_every_n_steps=5,
+        log_every_n_steps=args.log_every,
         # Validate on a step schedule: a short run would otherwise never reach an epoch end.
         val_check_interval=min(20, args.max_steps),
         check_val_every_n_epoch=None,
