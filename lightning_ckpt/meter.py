@@ -195,6 +195,8 @@ class _SavedBytes:
         self.live = 0
         self.peak = 0
         kind = device.type
+        # one near-identical pack function per device kind, chosen once: the hook runs for every saved tensor,
+        # so the device test is specialised here rather than branched on at each call
         self.pack = self._pack_cpu if kind == "cpu" else self._pack_cuda if kind == "cuda" else self._pack_any
         self.index = device.index if device.index is not None else 0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
