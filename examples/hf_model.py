@@ -1,6 +1,7 @@
 """Train a tiny Hugging Face GPT-2 (built from a config, never downloaded) with activation checkpointing.
 
-The block finder recognises ``GPT2Block`` through the model's ``_no_split_modules`` hint::
+The block finder recognises ``GPT2Block`` through the model's ``_no_split_modules`` hint. Same flags as
+``examples/train_gpt.py`` (this script reuses its training loop)::
 
     python examples/hf_model.py --policy every:2
     python examples/hf_model.py --policy selective --max-steps 30
@@ -15,65 +16,16 @@ import argparse
 import sys
 from pathlib import Path
 
-try:
-    import lightning_ckpt  # noqa: F401
-except ImportError:  # a source checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_gpt.py beside this file
 
-from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.loggers import TensorBoardLogger
+from train_gpt import main  # noqa: E402
 
-from lightning_ckpt import ActivationCheckpointing
-from lightning_ckpt.demos import CharDataModule, HFCausalLMModule
+from lightning_ckpt.demos import HFCausalLMModule  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags; model size flags default to a CPU-friendly GPT-2."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--policy", default="every:2", help="checkpointing policy string, e.g. none, all, every:2")
-    p.add_argument("--max-steps", type=int, default=60)
-    p.add_argument("--logdir", default="runs", help="TensorBoard root directory")
-    p.add_argument("--accelerator", default="cpu")
-    p.add_argument("--n-layer", type=int, default=6)
-    p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--seed", type=int, default=1234)
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    seed_everything(args.seed)
-    model = HFCausalLMModule(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, n_positions=args.seq_len)
-    data = CharDataModule(batch_size=args.batch_size, seq_len=args.seq_len)
-    callback = ActivationCheckpointing(policy=args.policy)
-    trainer = Trainer(
-        accelerator=args.accelerator,
-        devices=1,
-        max_steps=args.max_steps,
-        callbacks=[callback],
-        logger=TensorBoardLogger(args.logdir, name="hf_gpt2"),
-        log_every_n_steps=5,
-        # Validate on a step schedule: a short run would otherwise never reach an epoch end.
-        val_check_interval=min(20, args.max_steps),
-        check_val_every_n_epoch=None,
-        limit_val_batches=4,
-    )
-    trainer.fit(model, datamodule=data)
-    report(trainer, callback)
-
-
-def report(trainer: Trainer, callback: ActivationCheckpointing) -> None:
-    """Print the final losses and, when the callback exposes one, its checkpointing plan."""
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith("loss")}
-    print("final metrics:", ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
-    plan = getattr(callback, "plan", None)
-    if plan is not None:
-        print(plan.summary())
-    if trainer.logger is not None:
-        print(f"TensorBoard logs: tensorboard --logdir {trainer.logger.save_dir}")
+def build_gpt2(args: argparse.Namespace) -> HFCausalLMModule:
+    return HFCausalLMModule(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, n_positions=args.seq_len)
 
 
 if __name__ == "__main__":
-    main()
+    main(build_model=build_gpt2, run_name="hf_gpt2")

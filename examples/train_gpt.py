@@ -48,12 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_gpt(args: argparse.Namespace) -> GPTLightningModule:
+    return GPTLightningModule(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, block_size=args.seq_len, dropout=0.1)
+
+
+def main(argv: list[str] | None = None, build_model=build_gpt, run_name: str = "gpt") -> None:
+    """Train ``build_model(args)`` on the bundled text; ``examples/hf_model.py`` reuses this with GPT-2."""
     args = parse_args(argv)
     seed_everything(args.seed)
-    model = GPTLightningModule(
-        n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, block_size=args.seq_len, dropout=0.1
-    )
+    model = build_model(args)
     data = CharDataModule(batch_size=args.batch_size, seq_len=args.seq_len)
     if args.auto_threshold is None:
         callback = ActivationCheckpointing(policy=args.policy)
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=1,
         max_steps=args.max_steps,
         callbacks=[callback],
-        logger=TensorBoardLogger(args.logdir, name="gpt"),
+        logger=TensorBoardLogger(args.logdir, name=run_name),
         log_every_n_steps=args.log_every,
         # Validate on a step schedule: a short run would otherwise never reach an epoch end.
         val_check_interval=min(20, args.max_steps),

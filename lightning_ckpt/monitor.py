@@ -103,6 +103,8 @@ class StepMonitor:
         self._tokens, self._samples, self._open = 0, 0, True
 
     def add_batch(self, batch: Any) -> None:
+        if not self._ledger_wanted:  # counts are only read on measured steps: no work (or GPU op) otherwise
+            return
         self._tokens = self._tokens + count_tokens(batch, self.tokens_fn)
         self._samples += count_samples(batch)
 
