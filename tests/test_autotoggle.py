@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from _lightning_models import TinyTransformer, params_of, trainer_kwargs
+from _lightning_models import CleanDistributedExit, TinyTransformer, params_of, trainer_kwargs
 from lightning_ckpt import ActivationCheckpointing, get_plan
 from lightning_ckpt.oom import OutOfMemoryDiagnosis
 
@@ -147,7 +147,7 @@ def test_ddp_spawn_ranks_with_different_readings_switch_on_the_same_step(tmp_pat
     trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=4, log_every_n_steps=1, limit_val_batches=0,
                                        num_sanity_val_steps=0, strategy="ddp_spawn", devices=2,
                                        use_distributed_sampler=False),
-                      callbacks=[cb, RankLog(str(tmp_path))])
+                      callbacks=[cb, RankLog(str(tmp_path)), CleanDistributedExit()])
     trainer.fit(TinyTransformer(batch_size=8))
     rank0 = (tmp_path / "rank0.txt").read_text().split()
     rank1 = (tmp_path / "rank1.txt").read_text().split()

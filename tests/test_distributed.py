@@ -9,6 +9,7 @@ import pytest
 import torch
 from _lightning_models import (
     CallRecorder,
+    CleanDistributedExit,
     CountingBlock,
     DumpState,
     TinyTransformer,
@@ -56,7 +57,7 @@ def _spawn_fit(tmp_path, strategy, callbacks=(), **model_kwargs) -> list:
     out = tmp_path / "ranks"
     out.mkdir()
     trainer = Trainer(
-        callbacks=[*callbacks, DumpState(str(out))],
+        callbacks=[*callbacks, DumpState(str(out)), CleanDistributedExit()],
         **trainer_kwargs(
             tmp_path,
             devices=2,

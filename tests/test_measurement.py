@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _lightning_models import TinyTransformer, trainer_kwargs
+from _lightning_models import CleanDistributedExit, TinyTransformer, trainer_kwargs
 from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, DistributedSampler
@@ -498,7 +498,7 @@ def test_ddp_spawn_memory_is_the_max_throughput_the_sum_and_rank_zero_writes(tmp
     out.mkdir()
     cb = ActivationCheckpointing(policy="every:2", tokens_fn=rank_tokens)
     trainer = Trainer(
-        callbacks=[cb, DumpMeasurements(cb, str(out))],
+        callbacks=[cb, DumpMeasurements(cb, str(out)), CleanDistributedExit()],
         **trainer_kwargs(
             tmp_path,
             devices=2,
