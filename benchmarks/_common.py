@@ -45,7 +45,6 @@ _CPU = torch.device("cpu")
 
 from lightning_ckpt.demos.gpt import GPT, GPTConfig  # noqa: E402
 
-
 # ------------------------------------------------------------------------------------------ environment
 
 
@@ -189,7 +188,7 @@ def verify_tracker(num_blocks: int = 6, numel: int = 1 << 18) -> List[Dict[str, 
             blocks = [_Chain() for _ in range(num_blocks)]
             x0 = torch.randn(numel, requires_grad=True)
 
-            def fn() -> None:
+            def fn(x0=x0, blocks=blocks, case=case) -> None:
                 x = x0
                 for b in blocks:
                     if case == "none":

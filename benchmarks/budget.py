@@ -112,7 +112,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         t = f"{median(times[name]):>10.3f}{ratio[name]:>13.3f}" if name in times else f"{'-':>10}{'-':>13}"
         print(f"{name:<12}{sum(m != 'off' for m in modes):>6}{mib(act):>10.1f}{str(act <= budget):>6}{t}")
     ok_fit = chosen_peak <= budget
-    print(f"\n{'PASS' if ok_fit else 'MISS'}  chosen plan fits: {mib(chosen_peak):.1f} MiB <= budget {mib(budget):.1f} MiB")
+    verdict = "PASS" if ok_fit else "MISS"
+    print(f"\n{verdict}  chosen plan fits: {mib(chosen_peak):.1f} MiB <= budget {mib(budget):.1f} MiB")
     if best is not None:
         speed = 1.0 / ratio[best]  # chosen time / best time
         print(f"{'PASS' if speed <= 1.03 else 'MISS'}  chosen plan time / fastest fitting simple plan ({best}) = "

@@ -35,10 +35,10 @@ from typing import Callable, Dict, List, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _common as C  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-import _common as C  # noqa: E402
 from lightning_ckpt.wrap import apply_policy  # noqa: E402
 
 DEFAULT_POLICIES = ("none", "every:2", "group:sqrt", "selective", "all", "offload")
@@ -378,7 +378,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "wrapper overhead vs hand-written checkpoint loop",
                 ov <= WRAPPER_OVERHEAD_MAX,
                 f"time(apply_policy all) / time(hand loop) = {ov:.3f} (median of {len(a.times)} rounds, range "
-                f"[{lo:.3f}, {hi:.3f}]) <= {WRAPPER_OVERHEAD_MAX} (process CPU time: {_ratio_median(a.cpu, h.cpu):.3f});"
+                f"[{lo:.3f}, {hi:.3f}]) <= {WRAPPER_OVERHEAD_MAX} "
+                f"(process CPU time: {_ratio_median(a.cpu, h.cpu):.3f});"
                 f" ACT peak {C.mib(a.act_peak):.2f} vs "
                 f"{C.mib(h.act_peak):.2f} MiB",
             )

@@ -13,6 +13,7 @@ from lightning_ckpt.meter import StepMeter, count_tokens
 from lightning_ckpt.oom import OutOfMemoryDiagnosis
 from lightning_ckpt.planner import LedgerInputs, plan_from_numbers
 from lightning_ckpt.policy import GRAMMAR, MODES, Policy, parse_policy
+from lightning_ckpt.safety import preflight
 from lightning_ckpt.strategy import (
     ActivationCheckpointingMixin,
     DDPActivationCheckpointingStrategy,
@@ -20,7 +21,6 @@ from lightning_ckpt.strategy import (
     SingleDeviceActivationCheckpointingStrategy,
     register_strategies,
 )
-from lightning_ckpt.safety import preflight
 from lightning_ckpt.trace import plan_model
 from lightning_ckpt.units import format_bytes, parse_size
 from lightning_ckpt.verify import verify_equivalence
@@ -32,34 +32,34 @@ register_strategies()
 
 # the profiler is `from lightning_ckpt.profile import profile` (a function of that name here would hide the module)
 __all__ = [
+    "GRAMMAR",
+    "MODES",
     "ActivationCheckpointing",
-    "Controller",
-    "Ledger",
-    "LedgerInputs",
-    "OutOfMemoryDiagnosis",
-    "StepMeter",
-    "build_ledger",
-    "count_tokens",
-    "plan_budget",
-    "plan_from_numbers",
-    "plan_model",
-    "preflight",
-    "verify_equivalence",
     "ActivationCheckpointingMixin",
     "CheckpointPlan",
+    "Controller",
     "DDPActivationCheckpointingStrategy",
     "FSDPActivationCheckpointingStrategy",
     "ForeignCheckpointingError",
-    "GRAMMAR",
-    "MODES",
+    "Ledger",
+    "LedgerInputs",
+    "OutOfMemoryDiagnosis",
     "Policy",
     "SingleDeviceActivationCheckpointingStrategy",
+    "StepMeter",
     "apply_policy",
+    "build_ledger",
+    "count_tokens",
     "find_blocks",
     "format_bytes",
     "get_plan",
     "parse_policy",
     "parse_size",
+    "plan_budget",
+    "plan_from_numbers",
+    "plan_model",
+    "preflight",
     "register_strategies",
     "remove_checkpointing",
+    "verify_equivalence",
 ]

@@ -25,13 +25,13 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
 __all__ = [
-    "CheckpointingEngine",
-    "EngineDoor",
     "ENGINE_ATTR",
     "STATE_VERSION",
+    "CheckpointingEngine",
+    "EngineDoor",
     "check_strategy",
-    "run_before_strategy_setup",
     "remove_before_strategy_setup",
+    "run_before_strategy_setup",
 ]
 
 ENGINE_ATTR = "_lightning_ckpt_engine"

@@ -45,7 +45,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, U
 
 from torch import nn
 
-__all__ = ["find_blocks", "describe_blocks", "BlockSelector"]
+__all__ = ["BlockSelector", "describe_blocks", "find_blocks"]
 
 BlockSelector = Union[None, str, Type[nn.Module], Sequence[Union[str, Type[nn.Module]]]]
 

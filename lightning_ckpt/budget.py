@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
-__all__ = ["BlockCost", "BudgetPlan", "BudgetCalibration", "predict_peak", "plan_budget"]
+__all__ = ["BlockCost", "BudgetCalibration", "BudgetPlan", "plan_budget", "predict_peak"]
 
 
 @dataclass(frozen=True)

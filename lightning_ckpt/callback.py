@@ -6,12 +6,12 @@ import json
 import os
 from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
-import torch
 import lightning.pytorch as pl
-from torch.utils.checkpoint import CheckpointError
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.checkpoint import CheckpointError
 
 from lightning_ckpt._engine import (
     ENGINE_ATTR,
@@ -33,7 +33,7 @@ from lightning_ckpt.units import GiB, parse_size
 from lightning_ckpt.verify import verify_equivalence
 from lightning_ckpt.wrap import register_replay_hook
 
-__all__ = ["ActivationCheckpointing", "TENSORBOARD_LAYOUT"]
+__all__ = ["TENSORBOARD_LAYOUT", "ActivationCheckpointing"]
 
 _ON_OOM = ("raise", "escalate")
 _OOM_SHIM = "_lightning_ckpt_oom_guard"

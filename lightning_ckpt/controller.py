@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from lightning_ckpt.units import parse_size_or_fraction
 
-__all__ = ["DEFAULT_LADDER", "Decision", "Controller", "resolve_threshold"]
+__all__ = ["DEFAULT_LADDER", "Controller", "Decision", "resolve_threshold"]
 
 DEFAULT_LADDER: Tuple[str, ...] = ("none", "every:2", "all")
 
@@ -149,7 +149,8 @@ class Controller:
         self.calm_steps = 0
         self.since_switch = 0
         self.switches += 1
-        return Decision(self.level, self.policy, True, f"{reason}: {self.ladder[self.level - step]!r} -> {self.policy!r}")
+        before = self.ladder[self.level - step]
+        return Decision(self.level, self.policy, True, f"{reason}: {before!r} -> {self.policy!r}")
 
     def _stay(self, reason: str) -> Decision:
         return Decision(self.level, self.policy, False, reason)

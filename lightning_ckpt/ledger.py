@@ -42,7 +42,7 @@ from torch import nn
 from lightning_ckpt.meter import StepReading
 from lightning_ckpt.units import GiB, format_bytes
 
-__all__ = ["ModelState", "Ledger", "model_state_bytes", "build_ledger", "LEDGER_LINES"]
+__all__ = ["LEDGER_LINES", "Ledger", "ModelState", "build_ledger", "model_state_bytes"]
 
 LEDGER_LINES = ("params", "grads", "optimizer", "activations", "other", "cache")
 """The lines of the ledger, in the order they are printed and logged."""

@@ -72,8 +72,15 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.wrap import register_replay_hook
 
-__all__ = ["StepMeter", "StepReading", "count_tokens", "count_samples", "sequence_length", "cuda_peaks",
-           "device_capacity"]
+__all__ = [
+    "StepMeter",
+    "StepReading",
+    "count_samples",
+    "count_tokens",
+    "cuda_peaks",
+    "device_capacity",
+    "sequence_length",
+]
 
 
 # ------------------------------------------------------------------------------------------------- readings

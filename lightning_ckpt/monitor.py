@@ -24,7 +24,7 @@ from torch import nn
 from lightning_ckpt.ledger import Ledger, build_ledger
 from lightning_ckpt.meter import StepMeter, StepReading, count_samples, count_tokens
 
-__all__ = ["StepMonitor", "StepResult", "MEMORY_MAX_KEYS", "THROUGHPUT_SUM_KEYS"]
+__all__ = ["MEMORY_MAX_KEYS", "THROUGHPUT_SUM_KEYS", "StepMonitor", "StepResult"]
 
 MEMORY_MAX_KEYS = ("params", "grads", "optimizer", "activations", "peak_allocated", "peak_reserved", "other", "cache")
 THROUGHPUT_SUM_KEYS = ("tokens_per_sec", "samples_per_sec")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional
 
-__all__ = ["PHASES", "PhaseTracker", "OutOfMemoryDiagnosis", "diagnose", "is_out_of_memory"]
+__all__ = ["PHASES", "OutOfMemoryDiagnosis", "PhaseTracker", "diagnose", "is_out_of_memory"]
 
 PHASES = ("before_forward", "forward", "backward", "first_optimizer_step", "optimizer_step")
 

@@ -30,22 +30,22 @@ from typing import Callable, ClassVar, Dict, Tuple, Type, Union
 from lightning_ckpt.units import parse_size_or_fraction
 
 __all__ = [
+    "GRAMMAR",
     "MODES",
-    "Layout",
-    "Policy",
-    "NonePolicy",
+    "SELECTIVE_ALIASES",
     "AllPolicy",
+    "BlocksPolicy",
+    "BudgetPolicy",
     "EveryPolicy",
     "FirstPolicy",
-    "BlocksPolicy",
     "GroupPolicy",
-    "SelectivePolicy",
-    "OffloadPolicy",
-    "BudgetPolicy",
+    "Layout",
     "ModesPolicy",
+    "NonePolicy",
+    "OffloadPolicy",
+    "Policy",
+    "SelectivePolicy",
     "parse_policy",
-    "GRAMMAR",
-    "SELECTIVE_ALIASES",
 ]
 
 MODES = ("off", "recompute", "selective", "offload")

@@ -70,8 +70,15 @@ from torch import nn
 from lightning_ckpt.report import loglog_slope
 from lightning_ckpt.units import format_bytes
 
-__all__ = ["profile", "ProfileResult", "ProfileReport", "read_slopes", "recommend", "DEFAULT_POLICIES",
-           "PRECISIONS"]
+__all__ = [
+    "DEFAULT_POLICIES",
+    "PRECISIONS",
+    "ProfileReport",
+    "ProfileResult",
+    "profile",
+    "read_slopes",
+    "recommend",
+]
 
 DEFAULT_POLICIES = ("none", "selective", "every:2", "all")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")

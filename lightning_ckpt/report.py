@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from lightning_ckpt.ledger import Ledger
 from lightning_ckpt.units import GiB
 
-__all__ = ["ledger_report", "report_text", "suggest_policy", "loglog_slope", "length_reading"]
+__all__ = ["ledger_report", "length_reading", "loglog_slope", "report_text", "suggest_policy"]
 
 _FRAGMENTATION_SHARE = 0.25  # reserved − allocated above this share of reserved reads as fragmentation
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_ckpt.wrap import CheckpointPlan
 
-__all__ = ["STATEFUL_CHOICES", "ReplaySafetyError", "preflight", "buffer_versions", "changed_buffers"]
+__all__ = ["STATEFUL_CHOICES", "ReplaySafetyError", "buffer_versions", "changed_buffers", "preflight"]
 
 STATEFUL_CHOICES = ("warn", "skip", "error")
 

@@ -31,12 +31,12 @@ from lightning_ckpt.blocks import BlockSelector
 from lightning_ckpt.wrap import CheckpointPlan
 
 __all__ = [
+    "CHECKPOINT_KEY",
     "ActivationCheckpointingMixin",
-    "SingleDeviceActivationCheckpointingStrategy",
     "DDPActivationCheckpointingStrategy",
     "FSDPActivationCheckpointingStrategy",
+    "SingleDeviceActivationCheckpointingStrategy",
     "register_strategies",
-    "CHECKPOINT_KEY",
 ]
 
 CHECKPOINT_KEY = "lightning_ckpt"

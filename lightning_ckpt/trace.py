@@ -60,20 +60,20 @@ from torch.utils._pytree import tree_flatten
 from lightning_ckpt.planner import LedgerPlan
 
 __all__ = [
+    "TORCH_OPTIMIZERS",
     "ActivationTracker",
     "ModelPlan",
-    "plan_model",
-    "import_object",
-    "load_init_args",
-    "build_model",
-    "make_batch",
-    "step_loss",
-    "optimizers_from",
     "benchmark_gpt",
-    "tiny_gpt",
+    "build_model",
     "gpt2_config",
+    "import_object",
     "llama_7b_config",
-    "TORCH_OPTIMIZERS",
+    "load_init_args",
+    "make_batch",
+    "optimizers_from",
+    "plan_model",
+    "step_loss",
+    "tiny_gpt",
 ]
 
 DEFAULT_POLICIES = ("none", "every:2", "group:sqrt", "all")

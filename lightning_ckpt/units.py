@@ -9,7 +9,7 @@ import math
 import re
 from typing import Union
 
-__all__ = ["GiB", "MiB", "KiB", "parse_size", "parse_size_or_fraction", "format_bytes", "to_gib"]
+__all__ = ["GiB", "KiB", "MiB", "format_bytes", "parse_size", "parse_size_or_fraction", "to_gib"]
 
 KiB = 1024
 MiB = 1024**2

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_ckpt.wrap import CheckpointPlan
 
-__all__ = ["EquivalenceError", "EquivalenceReport", "GroupDiff", "verify_equivalence", "TOLERANCES"]
+__all__ = ["TOLERANCES", "EquivalenceError", "EquivalenceReport", "GroupDiff", "verify_equivalence"]
 
 # (rtol, atol) per dtype: torch.testing's defaults
 TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {

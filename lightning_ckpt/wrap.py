@@ -47,11 +47,11 @@ from lightning_ckpt.policy import MODES, Layout, ModesPolicy, Policy, parse_poli
 __all__ = [
     "MODES",
     "CheckpointPlan",
-    "apply_policy",
-    "remove_checkpointing",
-    "get_plan",
     "ForeignCheckpointingError",
+    "apply_policy",
+    "get_plan",
     "register_replay_hook",
+    "remove_checkpointing",
 ]
 
 _PLAN_ATTR = "_lightning_ckpt_plan"
@@ -356,7 +356,7 @@ class _GroupRegion:
         out = self.records[0][0].run(*first_args, **first_kwargs)
         for member, args, kwargs in self.records[1:]:
             leaves, _ = tree_flatten(out)
-            fill = lambda x: leaves[x.i] if isinstance(x, _FromPrevious) else x  # noqa: E731
+            fill = lambda x, leaves=leaves: leaves[x.i] if isinstance(x, _FromPrevious) else x  # noqa: E731
             out = member.run(*tree_map(fill, args), **tree_map(fill, kwargs))
 
     def _finish(self) -> None:
@@ -546,7 +546,8 @@ class CheckpointPlan:
         ]
         for f in self._forwards:
             region = region_of.get(id(f))
-            where = f"{region.members[0].index}-{region.members[-1].index}" if region else ("own" if f.mode != "off" else "-")
+            own = "own" if f.mode != "off" else "-"
+            where = f"{region.members[0].index}-{region.members[-1].index}" if region else own
             lines.append(f"  {f.index:>3}  {f.name:<40} {type(f.block).__name__:<24} {f.mode:<10} {where}")
         return "\n".join(lines)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch import Callback, LightningDataModule, LightningModule
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 

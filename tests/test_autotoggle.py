@@ -4,10 +4,10 @@ import os
 
 import pytest
 import torch
+from _lightning_models import CleanDistributedExit, TinyTransformer, params_of, trainer_kwargs
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from _lightning_models import CleanDistributedExit, TinyTransformer, params_of, trainer_kwargs
 from lightning_ckpt import ActivationCheckpointing, get_plan
 from lightning_ckpt.oom import OutOfMemoryDiagnosis
 

@@ -29,7 +29,8 @@ def test_policies_quick_json(tmp_path):
         [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
     )
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    tail_out, tail_err = proc.stdout[-4000:], proc.stderr[-4000:]
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{tail_out}\nstderr:\n{tail_err}"
     assert "command:" in proc.stdout and "torch " in proc.stdout
 
     data = json.loads(out.read_text())

@@ -60,9 +60,9 @@ def test_generous_budget_checkpoints_nothing():
 
 
 def test_budget_policy_in_a_trainer_calibrates_then_fits(tmp_path):
+    from _lightning_models import TinyTransformer, trainer_kwargs
     from lightning.pytorch import Callback, Trainer, seed_everything
 
-    from _lightning_models import TinyTransformer, trainer_kwargs
     from lightning_ckpt import ActivationCheckpointing
 
     def peak(policy):

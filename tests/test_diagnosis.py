@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
+from _lightning_models import VOCAB, TinyTransformer, trainer_kwargs
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from _lightning_models import VOCAB, TinyTransformer, trainer_kwargs
 from lightning_ckpt import ActivationCheckpointing
 from lightning_ckpt.oom import OutOfMemoryDiagnosis
 

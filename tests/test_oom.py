@@ -8,11 +8,16 @@ def test_tracker_walks_the_phases_and_knows_the_first_optimizer_step():
     t = PhaseTracker()
     seen = []
     for _ in range(2):
-        t.batch_start(); seen.append(t.phase)
-        t.forward_start(); seen.append(t.phase)
-        t.forward_start(); seen.append(t.phase)  # a second module's forward in the same step
-        t.backward_start(); seen.append(t.phase)
-        t.optimizer_step_start(); seen.append(t.phase)
+        t.batch_start()
+        seen.append(t.phase)
+        t.forward_start()
+        seen.append(t.phase)
+        t.forward_start()  # a second module's forward in the same step
+        seen.append(t.phase)
+        t.backward_start()
+        seen.append(t.phase)
+        t.optimizer_step_start()
+        seen.append(t.phase)
         t.optimizer_step_end()
     assert seen == ["before_forward", "forward", "forward", "backward", "first_optimizer_step"] + [
         "before_forward", "forward", "forward", "backward", "optimizer_step"]

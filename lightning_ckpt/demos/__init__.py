@@ -18,17 +18,17 @@ from lightning_ckpt.demos.lightning_gpt import (
 )
 
 __all__ = [
-    "GPTConfig",
+    "DEFAULT_TEXT",
     "GPT",
-    "Block",
-    "CausalSelfAttention",
     "MLP",
+    "Block",
     "CausalLMMixin",
-    "GPTLightningModule",
+    "CausalSelfAttention",
     "CharDataModule",
     "CharTokenizer",
     "CharWindows",
-    "DEFAULT_TEXT",
-    "tiny_gpt2",
+    "GPTConfig",
+    "GPTLightningModule",
     "HFCausalLMModule",
+    "tiny_gpt2",
 ]

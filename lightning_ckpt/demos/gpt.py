@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP"]
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig"]
 
 # Cross-entropy ignores this label, matching the Hugging Face convention for padding.
 IGNORE_INDEX = -100

@@ -19,7 +19,7 @@ from lightning_ckpt.demos.lightning_gpt import CausalLMMixin
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import GPT2LMHeadModel
 
-__all__ = ["tiny_gpt2", "HFCausalLMModule"]
+__all__ = ["HFCausalLMModule", "tiny_gpt2"]
 
 
 def tiny_gpt2(

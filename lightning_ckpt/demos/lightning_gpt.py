@@ -20,12 +20,12 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
 
 __all__ = [
+    "DEFAULT_TEXT",
     "CausalLMMixin",
-    "GPTLightningModule",
     "CharDataModule",
     "CharTokenizer",
     "CharWindows",
-    "DEFAULT_TEXT",
+    "GPTLightningModule",
 ]
 
 # Ships with the package (see ``[tool.setuptools.package-data]``), so the demos never download.
