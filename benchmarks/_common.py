@@ -1,7 +1,7 @@
 """Shared helpers for the scripts in ``benchmarks/``: environment header, models, memory tracker, timers.
 
 Nothing here imports Lightning. The activation numbers come from PyTorch's own live-tensor tracker
-(``torch.distributed._tools.mem_tracker.MemTracker``), not from :mod:`lightning_ckpt.meter`, so the benchmark
+(``torch.distributed._tools.mem_tracker.MemTracker``), not from :mod:`lightning_ckpt.measure.meter`, so the benchmark
 checks the plugin with an instrument the plugin does not own.
 
 How the activation peak is read (and why not simply ``get_tracker_snapshot("peak")``):

@@ -1,8 +1,8 @@
 """Does ``budget:`` pick a plan that fits, and is it as fast as the best simple plan that fits?
 
 One process, one model, one batch. Candidates: ``first:K`` for every K, ``every:N`` for N = 2…L/2, ``all``.
-Each candidate's activation peak is measured with :class:`lightning_ckpt.meter.StepMeter` (the figure the
-budget is about); the budget calibration (:class:`lightning_ckpt.budget.BudgetCalibration`) runs exactly as
+Each candidate's activation peak is measured with :class:`lightning_ckpt.measure.meter.StepMeter` (the figure the
+budget is about); the budget calibration (:class:`lightning_ckpt.decide.budget.BudgetCalibration`) runs exactly as
 the callback drives it; then every fitting candidate and the chosen plan are timed in interleaved rounds
 (median of per-round ratios to the chosen plan).
 
@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import build_gpt, header_lines, load_average, median, mib, timed_step  # noqa: E402
 
 from lightning_ckpt import apply_policy  # noqa: E402
-from lightning_ckpt.budget import BudgetCalibration  # noqa: E402
+from lightning_ckpt.decide.budget import BudgetCalibration  # noqa: E402
 from lightning_ckpt.demos.gpt import GPTConfig  # noqa: E402
-from lightning_ckpt.meter import StepMeter  # noqa: E402
+from lightning_ckpt.measure.meter import StepMeter  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -39,7 +39,7 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from lightning_ckpt.wrap import apply_policy  # noqa: E402
+from lightning_ckpt.core.wrap import apply_policy  # noqa: E402
 
 DEFAULT_POLICIES = ("none", "every:2", "group:sqrt", "selective", "all", "offload")
 HAND = "hand loop"

@@ -1,65 +1,136 @@
 """lightning_ckpt: activation checkpointing as a scheduling decision, for PyTorch Lightning.
 
-Importing the package registers the ``*_ac`` strategies (``single_device_ac``, ``ddp_ac``, ``ddp_spawn_ac``,
-``ddp_fork_ac``, ``fsdp_ac``) in Lightning's ``StrategyRegistry``.
+The layers, each a subpackage (data flows down this list; only the last imports Lightning):
+
+- :mod:`lightning_ckpt.core` — find the blocks, policies, checkpoint the blocks in place;
+- :mod:`lightning_ckpt.measure` — the live-tensor tracker, the per-step meter, the ledger;
+- :mod:`lightning_ckpt.decide` — auto-toggle, budget, replay safety, equivalence, diagnosis and report;
+- :mod:`lightning_ckpt.forecast` — memory forecasts from numbers or fake tensors, the profiler;
+- :mod:`lightning_ckpt.lightning` — the engine and its two doors, the callback and the strategies.
+
+``import lightning_ckpt`` is cheap: the names below load on first use, and the ``*_ac`` strategies
+(``single_device_ac``, ``ddp_ac``, ``ddp_spawn_ac``, ``ddp_fork_ac``, ``fsdp_ac``) are registered in Lightning's
+``StrategyRegistry`` as soon as Lightning is loaded (at once if it already is), so ``Trainer(strategy="ddp_ac")``
+works after ``import lightning_ckpt`` in either order.
 """
 
-from lightning_ckpt.blocks import find_blocks
-from lightning_ckpt.budget import plan_budget
-from lightning_ckpt.callback import ActivationCheckpointing
-from lightning_ckpt.controller import Controller
-from lightning_ckpt.ledger import Ledger, build_ledger
-from lightning_ckpt.meter import StepMeter, count_tokens
-from lightning_ckpt.oom import OutOfMemoryDiagnosis
-from lightning_ckpt.planner import LedgerInputs, plan_from_numbers
-from lightning_ckpt.policy import GRAMMAR, MODES, Policy, parse_policy
-from lightning_ckpt.safety import preflight
-from lightning_ckpt.strategy import (
-    ActivationCheckpointingMixin,
-    DDPActivationCheckpointingStrategy,
-    FSDPActivationCheckpointingStrategy,
-    SingleDeviceActivationCheckpointingStrategy,
-    register_strategies,
-)
-from lightning_ckpt.trace import plan_model
-from lightning_ckpt.units import format_bytes, parse_size
-from lightning_ckpt.verify import verify_equivalence
-from lightning_ckpt.wrap import CheckpointPlan, ForeignCheckpointingError, apply_policy, get_plan, remove_checkpointing
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import sys
+import warnings
+from typing import Any
+
+from lightning_ckpt._deprecation import install_module_aliases
 
 __version__ = "0.1.0"
 
-register_strategies()
+_PUBLIC = {
+    "ActivationCheckpointing": "lightning_ckpt.lightning.callback",
+    "ActivationCheckpointingMixin": "lightning_ckpt.lightning.strategy",
+    "CheckpointPlan": "lightning_ckpt.core.wrap",
+    "DDPActivationCheckpointingStrategy": "lightning_ckpt.lightning.strategy",
+    "EquivalenceError": "lightning_ckpt.decide.verify",
+    "FSDPActivationCheckpointingStrategy": "lightning_ckpt.lightning.strategy",
+    "ForeignCheckpointingError": "lightning_ckpt.core.wrap",
+    "Ledger": "lightning_ckpt.measure.ledger",
+    "OutOfMemoryDiagnosis": "lightning_ckpt.decide.diagnosis",
+    "ReplaySafetyError": "lightning_ckpt.decide.safety",
+    "SingleDeviceActivationCheckpointingStrategy": "lightning_ckpt.lightning.strategy",
+    "StepMeter": "lightning_ckpt.measure.meter",
+    "apply_policy": "lightning_ckpt.core.wrap",
+    "find_blocks": "lightning_ckpt.core.blocks",
+    "get_plan": "lightning_ckpt.core.wrap",
+    "parse_policy": "lightning_ckpt.core.policy",
+    "remove_checkpointing": "lightning_ckpt.core.wrap",
+}
 
-# the profiler is `from lightning_ckpt.profile import profile` (a function of that name here would hide the module)
-__all__ = [
-    "GRAMMAR",
-    "MODES",
-    "ActivationCheckpointing",
-    "ActivationCheckpointingMixin",
-    "CheckpointPlan",
-    "Controller",
-    "DDPActivationCheckpointingStrategy",
-    "FSDPActivationCheckpointingStrategy",
-    "ForeignCheckpointingError",
-    "Ledger",
-    "LedgerInputs",
-    "OutOfMemoryDiagnosis",
-    "Policy",
-    "SingleDeviceActivationCheckpointingStrategy",
-    "StepMeter",
-    "apply_policy",
-    "build_ledger",
-    "count_tokens",
-    "find_blocks",
-    "format_bytes",
-    "get_plan",
-    "parse_policy",
-    "parse_size",
-    "plan_budget",
-    "plan_from_numbers",
-    "plan_model",
-    "preflight",
-    "register_strategies",
-    "remove_checkpointing",
-    "verify_equivalence",
-]
+# names of lightning_ckpt 0.1's top level: importable until 0.2, with a DeprecationWarning
+_DEPRECATED = {
+    "Controller": "lightning_ckpt.decide.controller:Controller",
+    "GRAMMAR": "lightning_ckpt.core.policy:GRAMMAR",
+    "LedgerInputs": "lightning_ckpt.forecast.numbers:ForecastInputs",
+    "MODES": "lightning_ckpt.core.policy:MODES",
+    "Policy": "lightning_ckpt.core.policy:Policy",
+    "build_ledger": "lightning_ckpt.measure.ledger:build_ledger",
+    "count_tokens": "lightning_ckpt.measure.tokens:count_tokens",
+    "format_bytes": "lightning_ckpt.core.units:format_bytes",
+    "parse_size": "lightning_ckpt.core.units:parse_size",
+    "plan_budget": "lightning_ckpt.decide.budget:plan_budget",
+    "plan_from_numbers": "lightning_ckpt.forecast.numbers:forecast_from_numbers",
+    "plan_model": "lightning_ckpt.forecast.trace:forecast_model",
+    "preflight": "lightning_ckpt.decide.safety:preflight",
+    "register_strategies": "lightning_ckpt.lightning.strategy:register_strategies",
+    "verify_equivalence": "lightning_ckpt.decide.verify:verify_equivalence",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    if name in _DEPRECATED:
+        where, _, new = _DEPRECATED[name].partition(":")
+        warnings.warn(f"lightning_ckpt.{name} is deprecated and will be removed in lightning_ckpt 0.2; use "
+                      f"{where}.{new}.", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(where), new)
+    raise AttributeError(f"module 'lightning_ckpt' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+# ------------------------------------------------------------------------------- strategy registration
+
+
+def _register_strategies() -> None:
+    try:
+        from lightning_ckpt.lightning.strategy import register_strategies
+
+        register_strategies()
+    except Exception as err:  # noqa: BLE001 - never break the user's import of Lightning
+        warnings.warn(f"lightning_ckpt: could not register the *_ac strategies with Lightning ({err!r}); use the "
+                      "ActivationCheckpointing callback, or import lightning_ckpt.lightning.strategy.", RuntimeWarning,
+                      stacklevel=2)
+
+
+class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """Runs :func:`_register_strategies` right after ``lightning.pytorch`` has finished importing."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "lightning.pytorch":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                break
+        else:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run(module)
+            _uninstall()
+            _register_strategies()
+
+        spec.loader.exec_module = exec_module  # this spec's own loader instance: nothing else is affected
+        return spec
+
+
+def _uninstall() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterWhenLightningLoads)]
+
+
+if getattr(sys.modules.get("lightning.pytorch"), "Trainer", None) is not None:
+    _register_strategies()
+elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenLightningLoads())
+
+install_module_aliases()

@@ -2,7 +2,7 @@
 
 The layout follows nanoGPT on purpose: the repeated blocks live in
 ``model.transformer.h`` (an ``nn.ModuleList`` of :class:`Block`), which is exactly the shape the
-block finder in :mod:`lightning_ckpt.blocks` is meant to discover without any hints. Nothing here
+block finder in :mod:`lightning_ckpt.core.blocks` is meant to discover without any hints. Nothing here
 imports Lightning.
 
 Example:

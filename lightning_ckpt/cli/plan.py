@@ -1,0 +1,160 @@
+"""``lightning-ckpt plan``: the memory forecast for a card you do not have, from numbers or from the model."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from lightning_ckpt.core.policy import parse_policy_list
+from lightning_ckpt.core.units import GiB, MiB, format_bytes, parse_size
+from lightning_ckpt.forecast.load import load_init_args
+from lightning_ckpt.forecast.numbers import (
+    DEFAULT_POLICIES,
+    KORTHIKANTI_TENSORS,
+    ForecastInputs,
+    LedgerForecast,
+    forecast_from_numbers,
+)
+from lightning_ckpt.forecast.trace import forecast_model
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="predict the memory ledger from numbers or from the model itself",
+                       description="Predict parameters, gradients, optimizer state and activations per policy, from "
+                                   "numbers (--params ...) or by tracing the model on fake tensors (--model ...).")
+    src = p.add_argument_group("source (one of)")
+    src.add_argument("--params", type=float, default=None, help="number of parameters, e.g. 1.3e9")
+    src.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
+                     help="a callable returning an nn.Module (a LightningModule class works), a Hugging Face config "
+                          "(class, callable or instance), or a config.json path; built under fake tensors, nothing "
+                          "is allocated. Demo factories: lightning_ckpt.demos.factories:benchmark_gpt, "
+                          "lightning_ckpt.demos.factories:gpt2_config, lightning_ckpt.demos.factories:llama_7b_config")
+    p.add_argument("--init-args", default=None, metavar="JSON", help="--model: keyword arguments as a JSON object")
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="--model: LightningCLI-style YAML (model: {class_path, init_args} or model: {...})")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="--model: token-id range of the synthetic batch (default: read from the model)")
+    p.add_argument("--param-dtype", default=None,
+                   help="numbers: default bf16; --model: cast the floating parameters (default: as built)")
+    p.add_argument("--grad-dtype", default=None, help="numbers only (default bf16)")
+    p.add_argument("--optimizer", default=None,
+                   help="numbers: adam (default), adamw, sgd, momentum, adafactor, lion; --model: adamw, adam, sgd, "
+                        "momentum, adafactor (default: the module's configure_optimizers, else adamw)")
+    p.add_argument("--moment-dtype", default=None, help="numbers only (default fp32)")
+    p.add_argument("--master-dtype", default=None,
+                   help="dtype of a master copy of the weights, or none (default); with --model it is added to "
+                        "what the optimizer itself holds")
+    p.add_argument("--layers", type=int, default=None, help="numbers only (default 24)")
+    p.add_argument("--hidden", type=int, default=None, help="numbers only (default 2048)")
+    p.add_argument("--heads", type=int, default=None, help="numbers only (default 16)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--act-dtype", default=None, help="numbers only (default bf16)")
+    p.add_argument("--tensors-per-block", type=float, default=None,
+                   help="numbers only: hidden-width tensors a block keeps for backward (default "
+                        f"{KORTHIKANTI_TENSORS}, after Korthikanti et al. with a fused attention kernel; the seed's "
+                        "simplified example uses 6)")
+    p.add_argument("--attention", default=None, choices=["fused", "eager"], help="numbers only (default fused)")
+    p.add_argument("--capacity", default=None, help="device capacity, e.g. 24GiB")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="numbers: none, all, every:N, group:K; --model: any policy (selective too)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (bytes) instead of a table")
+
+
+_NUMBERS_ONLY = ("grad_dtype", "moment_dtype", "layers", "hidden", "heads", "act_dtype", "tensors_per_block",
+                 "attention")
+_NUMBERS_DEFAULTS = dict(param_dtype="bf16", grad_dtype="bf16", optimizer="adam", moment_dtype="fp32",
+                         master_dtype="none", layers=24, hidden=2048, heads=16, act_dtype="bf16", attention="fused")
+
+
+def _capacity(value):
+    if value is None:
+        return None
+    if value.strip().replace(".", "", 1).isdigit():
+        raise ValueError(f"--capacity={value!r} needs a unit, e.g. '24GiB' or '80GB'.")
+    return parse_size(value, name="--capacity")
+
+
+def run(args) -> int:
+    if (args.params is None) == (args.model is None):
+        raise ValueError("pass exactly one of --params N (plan from numbers) or --model pkg.module:factory (trace "
+                         f"the model); got --params={args.params!r} and --model={args.model!r}.")
+    if args.model is not None:
+        return _run_plan_model(args)
+    for name in ("init_args", "config", "vocab_size"):
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} only applies with --model; drop it or pass --model.")
+    for name, value in _NUMBERS_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.tensors_per_block is None:
+        args.tensors_per_block = KORTHIKANTI_TENSORS
+    capacity = _capacity(args.capacity)
+    inputs = ForecastInputs(
+        params=args.params, param_dtype=args.param_dtype, grad_dtype=args.grad_dtype, optimizer=args.optimizer,
+        moment_dtype=args.moment_dtype, master_dtype=args.master_dtype, layers=args.layers, hidden=args.hidden,
+        micro_batch=args.micro_batch, seq_len=args.seq_len, act_dtype=args.act_dtype, heads=args.heads,
+        tensors_per_block=args.tensors_per_block, attention=args.attention,
+        capacity=capacity,
+        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+    )
+    forecast = forecast_from_numbers(inputs)
+    if args.json:
+        print(json.dumps(forecast.as_json(), indent=2))
+    else:
+        print(_table(forecast))
+    return 0
+
+
+def _run_plan_model(args) -> int:
+    given = [f"--{n.replace('_', '-')}" for n in _NUMBERS_ONLY if getattr(args, n) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} only apply when planning from numbers; with --model they are read "
+                         "from the model itself (use --param-dtype to cast it). Drop them.")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise ValueError(f"--vocab-size={args.vocab_size!r} must be a positive integer.")
+    capacity = _capacity(args.capacity)
+    _, kwargs, _ = load_init_args(args.init_args, args.config)
+    t0 = time.perf_counter()
+    forecast = forecast_model(args.model, kwargs, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                              policies=parse_policy_list(args.policies), param_dtype=args.param_dtype,
+                              optimizer=args.optimizer, master_dtype=args.master_dtype, capacity=capacity,
+                              vocab_size=args.vocab_size)
+    if args.json:
+        print(json.dumps(forecast.as_json(), indent=2))
+        return 0
+    print(f"model {forecast.model}: {forecast.num_params / 1e9:.3f} B parameters, {forecast.blocks} blocks of "
+          f"{forecast.block_class}, "
+          f"micro-batch {args.micro_batch} × {args.seq_len} tokens; traced on fake tensors in "
+          f"{time.perf_counter() - t0:.1f} s (nothing allocated)")
+    print(_table(forecast))
+    replays = {p: v for p, v in forecast.replay_interior.items() if v}
+    if replays:
+        print("largest replay transient (one region's interior while it is recomputed, included above): "
+              + ", ".join(f"{p} {format_bytes(v)}" for p, v in replays.items()))
+    return 0
+
+
+def _table(forecast: LedgerForecast) -> str:
+    """The ledger table; works for :class:`~lightning_ckpt.forecast.numbers.LedgerForecast` and
+    :class:`~lightning_ckpt.forecast.trace.ModelForecast` alike."""
+    cap = forecast.capacity
+    rows = [f"{'line':<22}{'GiB':>10}{'% of capacity':>16}" if cap else f"{'line':<22}{'GiB':>10}"]
+    for name, size in forecast.lines() + [("model state", forecast.model_state)]:
+        rows.append(f"{name:<22}{size / GiB:>10.2f}" + (f"{size / cap:>16.1%}" if cap else ""))
+    rows.append(f"one hidden-width tensor: {forecast.hidden_tensor / MiB:.0f} MiB; boundaries with every block "
+                f"checkpointed: {forecast.boundary_all / MiB:.0f} MiB; one block's interior: "
+                f"{forecast.block_interior / MiB:.0f} MiB")
+    rows.append(f"{'policy':<14}{'activations GiB':>17}{'peak GiB':>10}  verdict")
+    for policy, act in forecast.activations.items():
+        verdict = "capacity unknown (pass --capacity)"
+        if cap:
+            crossing = forecast.crosses[policy]
+            verdict = (f"fits, {(cap - forecast.peak[policy]) / GiB:.2f} GiB to spare" if crossing is None
+                       else f"does not fit: the {crossing} line crosses {cap / GiB:.0f} GiB")
+        rows.append(f"{policy:<14}{act / GiB:>17.2f}{forecast.peak[policy] / GiB:>10.2f}  {verdict}")
+    return "\n".join(rows)
+
+

@@ -1,0 +1,436 @@
+"""Boundary policies: which of L repeated blocks is checkpointed, and how.
+
+A policy is a small frozen dataclass with a canonical string form (``policy.spec``) so that the same value
+travels through Python, YAML and the command line. :func:`parse_policy` turns the string back into the object.
+
+Grammar (``parse_policy``):
+
+===========================  ==================================================================================
+``none``                     wrap nothing (measure only)
+``all``                      every block is its own checkpointed region
+``every:N``                  blocks 0, N, 2N, … (the last block is skipped when it falls off the grid: its
+                             activations are consumed first in backward, so recomputing it buys little)
+``first:K``                  the first K blocks
+``blocks:0-5,9``             explicit block indices and inclusive ranges
+``group:K`` / ``group:sqrt`` regions of K consecutive blocks replayed as one (√L: Chen et al. 2016)
+``selective``                op-level: save the outputs of matmuls and attention, recompute the rest
+``selective:mm,sdpa``        op-level with an explicit save list (aliases ``mm``, ``sdpa``, ``conv`` or any
+                             ``torch.ops.aten`` op name)
+``offload``                  keep saved activations in host memory instead of recomputing them
+``budget:18GiB``             reserved: the cheapest plan whose measured activation peak fits (needs measurement)
+===========================  ==================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Dict, List, Sequence, Tuple, Type, Union
+
+from lightning_ckpt.core.units import parse_size_or_fraction
+
+__all__ = [
+    "GRAMMAR",
+    "MODES",
+    "SELECTIVE_ALIASES",
+    "AllPolicy",
+    "BlocksPolicy",
+    "BudgetPolicy",
+    "EveryPolicy",
+    "FirstPolicy",
+    "GroupPolicy",
+    "Layout",
+    "ModesPolicy",
+    "NonePolicy",
+    "OffloadPolicy",
+    "Policy",
+    "SelectivePolicy",
+    "parse_policy",
+    "parse_policy_list",
+]
+
+MODES = ("off", "recompute", "selective", "offload")
+"""Per-block modes. ``off`` runs the plain forward; the other three are switchable at run time."""
+
+GRAMMAR = (
+    "none | all | every:N | first:K | blocks:0-5,9 | group:K | group:sqrt | selective | "
+    "selective:mm,sdpa,... | offload | budget:<size|fraction>"
+)
+
+SELECTIVE_ALIASES: Dict[str, Tuple[str, ...]] = {
+    "mm": ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm"),
+    "sdpa": (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_fused_attention_overrideable",
+    ),
+    "conv": ("convolution",),
+}
+_DEFAULT_SELECTIVE = ("mm", "sdpa")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a policy means for a model with a given number of blocks.
+
+    Attributes:
+        modes: one entry of :data:`MODES` per block.
+        groups: half-open ``(start, stop)`` index ranges of consecutive ``recompute`` blocks replayed as one
+            region; blocks outside every group are their own region.
+        save_ops: aten op names whose outputs ``selective`` blocks keep.
+    """
+
+    modes: Tuple[str, ...]
+    groups: Tuple[Tuple[int, int], ...] = ()
+    save_ops: Tuple[str, ...] = ()
+
+    @property
+    def num_checkpointed(self) -> int:
+        return sum(mode != "off" for mode in self.modes)
+
+
+class Policy:
+    """Base class: a policy maps a block count to a :class:`Layout`."""
+
+    name: ClassVar[str] = ""
+
+    @property
+    def spec(self) -> str:
+        """The canonical string; ``parse_policy(p.spec) == p``."""
+        raise NotImplementedError  # abstract: every concrete policy overrides it
+
+    def layout(self, num_blocks: int) -> Layout:
+        raise NotImplementedError  # abstract: every concrete policy overrides it
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+def _uniform(num_blocks: int, mode: str, indices=None) -> Layout:
+    chosen = set(range(num_blocks)) if indices is None else set(indices)
+    return Layout(tuple(mode if i in chosen else "off" for i in range(num_blocks)))
+
+
+@dataclass(frozen=True)
+class NonePolicy(Policy):
+    name: ClassVar[str] = "none"
+    spec = "none"
+
+    def layout(self, num_blocks: int) -> Layout:
+        return _uniform(num_blocks, "off")
+
+
+@dataclass(frozen=True)
+class AllPolicy(Policy):
+    name: ClassVar[str] = "all"
+    spec = "all"
+
+    def layout(self, num_blocks: int) -> Layout:
+        return _uniform(num_blocks, "recompute")
+
+
+@dataclass(frozen=True)
+class EveryPolicy(Policy):
+    n: int = 2
+    name: ClassVar[str] = "every"
+
+    def __post_init__(self) -> None:
+        _check_positive_int("every", self.n, "N")
+
+    @property
+    def spec(self) -> str:
+        return f"every:{self.n}"
+
+    def layout(self, num_blocks: int) -> Layout:
+        return _uniform(num_blocks, "recompute", range(0, num_blocks, self.n))
+
+
+@dataclass(frozen=True)
+class FirstPolicy(Policy):
+    k: int = 1
+    name: ClassVar[str] = "first"
+
+    def __post_init__(self) -> None:
+        _check_positive_int("first", self.k, "K", allow_zero=True)
+
+    @property
+    def spec(self) -> str:
+        return f"first:{self.k}"
+
+    def layout(self, num_blocks: int) -> Layout:
+        return _uniform(num_blocks, "recompute", range(min(self.k, num_blocks)))
+
+
+@dataclass(frozen=True)
+class BlocksPolicy(Policy):
+    indices: Tuple[int, ...] = ()
+    name: ClassVar[str] = "blocks"
+
+    def __post_init__(self) -> None:
+        if not self.indices:
+            raise ValueError("blocks: needs indices, e.g. 'blocks:0-5,9'.")
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.indices):
+            raise ValueError(f"blocks: indices must be non-negative ints, got {self.indices!r}.")
+        object.__setattr__(self, "indices", tuple(sorted(set(self.indices))))
+
+    @property
+    def spec(self) -> str:
+        return "blocks:" + ",".join(_compress_ranges(self.indices))
+
+    def layout(self, num_blocks: int) -> Layout:
+        too_big = [i for i in self.indices if i >= num_blocks]
+        if too_big:
+            raise ValueError(
+                f"policy {self.spec!r} names block indices {too_big} but the model has {num_blocks} blocks "
+                f"(valid indices 0-{num_blocks - 1}); fix the index list."
+            )
+        return _uniform(num_blocks, "recompute", self.indices)
+
+
+@dataclass(frozen=True)
+class GroupPolicy(Policy):
+    """Regions of ``k`` consecutive blocks replayed as one; ``k="sqrt"`` picks ⌈√L⌉ (Chen et al. 2016)."""
+
+    k: Union[int, str] = "sqrt"
+    name: ClassVar[str] = "group"
+
+    def __post_init__(self) -> None:
+        if self.k != "sqrt":
+            _check_positive_int("group", self.k, "K")
+
+    @property
+    def spec(self) -> str:
+        return f"group:{self.k}"
+
+    def size(self, num_blocks: int) -> int:
+        if self.k == "sqrt":
+            return max(1, math.ceil(math.sqrt(num_blocks)))
+        return int(self.k)
+
+    def layout(self, num_blocks: int) -> Layout:
+        k = self.size(num_blocks)
+        groups = tuple((s, min(s + k, num_blocks)) for s in range(0, num_blocks, k) if min(s + k, num_blocks) - s > 1)
+        return Layout(("recompute",) * num_blocks, groups)
+
+
+@dataclass(frozen=True)
+class SelectivePolicy(Policy):
+    """Op-level selective checkpointing: keep the outputs of ``ops``, recompute everything else."""
+
+    ops: Tuple[str, ...] = _DEFAULT_SELECTIVE
+    name: ClassVar[str] = "selective"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        if not self.ops:
+            raise ValueError("selective: needs at least one op name, e.g. 'selective:mm,sdpa'.")
+        self.aten_ops()  # validate names eagerly, before training starts
+
+    @property
+    def spec(self) -> str:
+        return "selective" if self.ops == _DEFAULT_SELECTIVE else "selective:" + ",".join(self.ops)
+
+    def aten_ops(self) -> Tuple[str, ...]:
+        """The aten op names the aliases expand to (only those this torch build has)."""
+        import torch
+
+        names = []
+        for op in self.ops:
+            expanded = SELECTIVE_ALIASES.get(op, (op,))
+            present = [n for n in expanded if hasattr(torch.ops.aten, n)]
+            if not present:
+                raise ValueError(
+                    f"selective: unknown op {op!r}; use an alias ({', '.join(SELECTIVE_ALIASES)}) or a "
+                    f"torch.ops.aten op name such as 'mm', 'addmm', 'gelu'."
+                )
+            names.extend(n for n in present if n not in names)
+        return tuple(names)
+
+    def layout(self, num_blocks: int) -> Layout:
+        return Layout(("selective",) * num_blocks, save_ops=self.aten_ops())
+
+
+@dataclass(frozen=True)
+class OffloadPolicy(Policy):
+    name: ClassVar[str] = "offload"
+    spec = "offload"
+
+    def layout(self, num_blocks: int) -> Layout:
+        return _uniform(num_blocks, "offload")
+
+
+@dataclass(frozen=True)
+class BudgetPolicy(Policy):
+    """The cheapest per-block plan whose measured activation peak fits ``budget``.
+
+    It depends on measurements taken during training, so it is resolved by the measuring callback, never by
+    the static :meth:`layout`.
+    """
+
+    budget: Union[int, float] = 0.8
+    name: ClassVar[str] = "budget"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", parse_size_or_fraction(self.budget, name="budget"))
+
+    @property
+    def spec(self) -> str:
+        return f"budget:{self.budget}"
+
+    def layout(self, num_blocks: int) -> Layout:
+        raise ValueError(
+            f"policy {self.spec!r} is chosen from measured activation memory, so it cannot be applied "
+            "statically; use a fixed policy such as 'all' or 'every:2' with apply_policy()."
+        )
+
+
+@dataclass(frozen=True)
+class ModesPolicy(Policy):
+    """An explicit per-block mode list, e.g. produced by a planner; spec ``modes:off,recompute,...``."""
+
+    modes: Tuple[str, ...] = ()
+    save_ops: Tuple[str, ...] = ()
+    name: ClassVar[str] = "modes"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modes", tuple(self.modes))
+        bad = sorted({m for m in self.modes if m not in MODES})
+        if bad:
+            raise ValueError(f"unknown block modes {bad}; valid modes are {list(MODES)}.")
+        if "selective" in self.modes and not self.save_ops:
+            object.__setattr__(self, "save_ops", SelectivePolicy().aten_ops())
+
+    @property
+    def spec(self) -> str:
+        return "modes:" + ",".join(self.modes)
+
+    def layout(self, num_blocks: int) -> Layout:
+        if len(self.modes) != num_blocks:
+            raise ValueError(f"{len(self.modes)} block modes given for a model with {num_blocks} blocks.")
+        return Layout(self.modes, save_ops=self.save_ops)
+
+
+def _check_positive_int(policy: str, value, label: str, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{policy}:{label} needs an integer ≥ {low}, got {value!r} (e.g. '{policy}:2').")
+
+
+def _compress_ranges(indices: Tuple[int, ...]):
+    runs = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
+
+
+def _parse_int(text: str, policy: str, label: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{policy}:{label} needs an integer, got {text!r} (e.g. '{policy}:2').") from None
+
+
+def _parse_indices(arg: str) -> Tuple[int, ...]:
+    out = []
+    for part in filter(None, (p.strip() for p in arg.split(","))):
+        if part.startswith("-"):
+            raise ValueError(f"blocks: indices must be ≥ 0, got {part!r}.")
+        lo, sep, hi = part.partition("-")
+        a = _parse_int(lo, "blocks", "index")
+        b = _parse_int(hi, "blocks", "index") if sep else a
+        if b < a:
+            raise ValueError(f"blocks: range {part!r} runs backwards; write it low-high, e.g. '0-5'.")
+        out.extend(range(a, b + 1))
+    if not out:
+        raise ValueError("blocks: needs indices, e.g. 'blocks:0-5,9'.")
+    return tuple(out)
+
+
+_PARSERS: Dict[str, Callable[[str], Policy]] = {
+    "none": lambda a: NonePolicy(),
+    "all": lambda a: AllPolicy(),
+    "offload": lambda a: OffloadPolicy(),
+    "every": lambda a: EveryPolicy(_parse_int(a, "every", "N")),
+    "first": lambda a: FirstPolicy(_parse_int(a, "first", "K")),
+    "blocks": lambda a: BlocksPolicy(_parse_indices(a)),
+    "group": lambda a: GroupPolicy("sqrt" if a.lower() == "sqrt" else _parse_int(a, "group", "K")),
+    "selective": lambda a: SelectivePolicy(tuple(s.strip() for s in a.split(",") if s.strip()))
+    if a else SelectivePolicy(),
+    "budget": lambda a: BudgetPolicy(a),
+    "modes": lambda a: ModesPolicy(tuple(s.strip() for s in a.split(","))),
+}
+_NEEDS_ARG = {"every", "first", "blocks", "group", "budget", "modes"}
+_OPTIONAL_ARG = {"selective"}  # bare name: the default save list; with ':' an explicit, non-empty list
+_NO_ARG = {"none", "all", "offload"}
+POLICY_TYPES: Dict[str, Type[Policy]] = {
+    cls.name: cls
+    for cls in (NonePolicy, AllPolicy, EveryPolicy, FirstPolicy, BlocksPolicy, GroupPolicy, SelectivePolicy,
+                OffloadPolicy, BudgetPolicy, ModesPolicy)
+}
+
+
+def parse_policy(policy: Union[str, Policy, None]) -> Policy:
+    """Turn a policy string (or object, returned as is) into a :class:`Policy`.
+
+    Raises:
+        ValueError: for an unknown name or a malformed argument; the message lists the grammar.
+        TypeError: for a value that is neither a string nor a :class:`Policy`.
+    """
+    if isinstance(policy, Policy):
+        return policy
+    if policy is None:
+        return NonePolicy()
+    if not isinstance(policy, str):
+        raise TypeError(f"policy={policy!r} must be a string such as 'every:2' or a Policy; grammar: {GRAMMAR}.")
+    name, sep, arg = policy.strip().partition(":")
+    name, arg = name.strip().lower(), arg.strip()
+    if name not in _PARSERS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(_PARSERS), n=2)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(f"Unknown policy {policy!r}.{hint} Valid policies: {GRAMMAR}.")
+    if (name in _NEEDS_ARG or (name in _OPTIONAL_ARG and sep)) and not arg:
+        raise ValueError(f"policy {policy!r} needs an argument after ':'. Valid policies: {GRAMMAR}.")
+    if name in _NO_ARG and sep:
+        raise ValueError(f"policy {policy!r}: {name!r} takes no argument. Valid policies: {GRAMMAR}.")
+    try:
+        return _PARSERS[name](arg)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"Malformed policy {policy!r}: {err} Valid policies: {GRAMMAR}.") from None
+
+
+def parse_policy_list(values: Union[str, Sequence[str]], arg: str = "--policies") -> Tuple[str, ...]:
+    """Fixed policies from ``"none,selective,every:2,all"`` (or a list), as written, duplicates dropped.
+
+    A comma also separates the arguments of ``blocks:`` and ``selective:``, so a piece that is not a policy name
+    on its own is joined to the one before (``"blocks:0,2,all"`` is ``blocks:0,2`` and ``all``).
+
+    Raises:
+        ValueError: an empty list, a malformed policy, or ``budget:`` (chosen from measurements during training,
+            so it has no fixed meaning in a list).
+    """
+    items = [v.strip() for v in values.split(",")] if isinstance(values, str) else [str(v).strip() for v in values]
+    merged: List[str] = []
+    for item in items:
+        if not item:
+            continue
+        if merged and item.split(":", 1)[0].strip().lower() not in _PARSERS:
+            merged[-1] += "," + item
+        else:
+            merged.append(item)
+    if not merged:
+        raise ValueError(f"{arg}={values!r} is empty; pass e.g. 'none,selective,every:2,all'.")
+    specs = []
+    for item in merged:
+        parsed = parse_policy(item)
+        if isinstance(parsed, BudgetPolicy):
+            raise ValueError(f"{arg}: {item!r} is chosen from measurements during training, so it cannot be listed "
+                             "here; list fixed policies (none, selective, every:N, all, ...).")
+        specs.append(item)
+    return tuple(dict.fromkeys(specs))

@@ -1,0 +1,480 @@
+"""Checkpoint blocks in place: non-reentrant, RNG-preserving, switchable per block without re-wrapping.
+
+Each selected block gets an instance attribute ``forward`` (a :class:`_BlockForward`) that decides at every
+call whether to run the plain forward or a checkpointed one. Nothing is re-parented, so ``state_dict()`` keys,
+``named_parameters()``, ``named_modules()`` and ``named_buffers()`` never change (unlike
+``torch.distributed...checkpoint_wrapper``, which inserts ``_checkpoint_wrapped_module.``). The block's own
+forward hooks run once per call; only the body of ``forward`` is replayed.
+
+Modes (per block, changeable at any time through :class:`CheckpointPlan`):
+
+- ``off``: the plain forward.
+- ``recompute``: ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+- ``selective``: the same with ``create_selective_checkpoint_contexts`` keeping the outputs of the policy's
+  save list (matmuls and attention by default) and recomputing the rest.
+- ``offload``: no recompute; tensors saved for backward move to (pinned) host memory and come back in
+  backward. Tensors already on the CPU stay where they are, so on a CPU-only machine this mode is a no-op.
+
+``group:K`` policies make K consecutive ``recompute`` blocks one region (:mod:`lightning_ckpt.core.regions`).
+
+Recompute happens only while the block is training and grad is enabled: ``eval()``, ``torch.no_grad()`` and
+``torch.inference_mode()`` always take the plain forward.
+
+Replays can be observed with :func:`lightning_ckpt.core.replay.register_replay_hook` (the activation meter
+measures the transient interior of a block while it is replayed in backward this way). Without a registered hook
+nothing extra runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.utils.checkpoint as _cp
+from torch import nn
+
+from lightning_ckpt.core.blocks import BlockSelector, describe_blocks, find_blocks
+from lightning_ckpt.core.policy import MODES, Layout, ModesPolicy, Policy, parse_policy
+from lightning_ckpt.core.regions import GroupRegion
+from lightning_ckpt.core.replay import observed, replay_hooks_active
+
+__all__ = [
+    "MODES",
+    "CheckpointOptions",
+    "CheckpointPlan",
+    "ForeignCheckpointingError",
+    "apply_policy",
+    "get_plan",
+    "remove_checkpointing",
+    "validate_options",
+]
+
+_PLAN_ATTR = "_lightning_ckpt_plan"
+_DETERMINISM_CHECKS = ("default", "none")
+_STATE_VERSION = 1
+
+
+class ForeignCheckpointingError(ValueError):
+    """The model already holds activation checkpointing applied by another library."""
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """The ``torch.utils.checkpoint`` options every region of a plan uses (validated by
+    :func:`validate_options`)."""
+
+    preserve_rng_state: bool = True
+    determinism_check: str = "default"
+    debug: bool = False
+
+
+class _Shared:
+    """State every block of one plan reads on the hot path: checkpoint options and the SAC save list."""
+
+    def __init__(self, options: CheckpointOptions) -> None:
+        self.options = options
+        self.set_save_ops(())
+
+    def set_save_ops(self, names: Sequence[str]) -> None:
+        self.save_ops = frozenset(getattr(torch.ops.aten, n) for n in names)
+        self._selective = functools.partial(_cp.create_selective_checkpoint_contexts, self._save_or_recompute)
+
+    def _save_or_recompute(self, ctx, op, *args, **kwargs):
+        # packets, so every overload of a listed op (mm.default, mm.out, ...) is kept
+        if getattr(op, "overloadpacket", op) in self.save_ops:
+            return _cp.CheckpointPolicy.MUST_SAVE
+        return _cp.CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context_fn(self, mode: str):
+        return self._selective if mode == "selective" else _cp.noop_context_fn
+
+    def checkpoint_kwargs(self, mode: str) -> Dict[str, Any]:
+        o = self.options
+        kwargs = dict(
+            use_reentrant=False,
+            preserve_rng_state=o.preserve_rng_state,
+            determinism_check=o.determinism_check,
+            debug=o.debug,
+            context_fn=self.context_fn(mode),
+        )
+        if mode == "selective" and _SAC_RESPECTS_HOOKS:
+            # tensors SAC keeps then pass through outer saved-tensor hooks (offload, the activation meter)
+            kwargs["respect_saved_tensors_hooks"] = True
+        return kwargs
+
+
+_SAC_RESPECTS_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_cp.checkpoint).parameters
+_RESERVED_KWARGS = frozenset(inspect.signature(_cp.checkpoint).parameters) - {"args", "kwargs"}
+
+
+class _BlockForward:
+    """The callable installed as ``block.forward``; see the module docstring."""
+
+    def __init__(self, block: nn.Module, index: int, name: str, shared: _Shared) -> None:
+        self.block = block
+        self.index = index
+        self.name = name
+        self.shared = shared
+        self.mode = "off"
+        self.region: Optional[GroupRegion] = None
+        prior = block.__dict__.get("forward")
+        # an instance-level forward set by someone else (e.g. accelerate hooks) must keep running
+        if inspect.ismethod(prior) and prior.__self__ is block:
+            prior = prior.__func__
+        self.prior = prior
+
+    def run(self, *args, **kwargs):
+        """The block's own forward, whatever the mode."""
+        if self.prior is None:
+            return type(self.block).forward(self.block, *args, **kwargs)
+        if inspect.isfunction(self.prior):
+            return self.prior(self.block, *args, **kwargs)
+        return self.prior(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        mode = self.mode
+        if mode == "off" or not (self.block.training and torch.is_grad_enabled()):
+            return self.run(*args, **kwargs)
+        if self.region is not None:
+            return self.region.call(self, args, kwargs)
+        if mode == "offload":
+            with _OffloadToHost():
+                return self.run(*args, **kwargs)
+        fn = observed(self, self.run) if replay_hooks_active() else self.run
+        if _RESERVED_KWARGS.intersection(kwargs):
+            return _cp.checkpoint(lambda *a: fn(*a, **kwargs), *args, **self.shared.checkpoint_kwargs(mode))
+        return _cp.checkpoint(fn, *args, **self.shared.checkpoint_kwargs(mode), **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<lightning_ckpt forward of {self.name} mode={self.mode}>"
+
+
+class _OffloadToHost(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors go to (pinned) host memory in forward and come back in backward."""
+
+    def __init__(self) -> None:
+        super().__init__(_pack_to_host, _unpack_from_host)
+
+
+def _pack_to_host(tensor: torch.Tensor):
+    if tensor.device.type == "cpu":
+        return tensor
+    pinned = torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
+    host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pinned)
+    host.copy_(tensor, non_blocking=pinned)
+    return tensor.device, host
+
+
+def _unpack_from_host(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    device, host = packed
+    return host.to(device, non_blocking=host.is_pinned())
+
+
+# ------------------------------------------------------------------------------------------------------ plan
+
+
+class CheckpointPlan:
+    """Which blocks of a model are checkpointed and how; re-targetable in place.
+
+    Obtained from :func:`apply_policy` (or :func:`get_plan`). Changing the policy or the per-block modes flips
+    an attribute on each block's forward: no module is re-wrapped, so parameters, optimizer state, DDP/FSDP
+    wrappers and module paths are untouched.
+
+    Attributes:
+        names: fully qualified block names relative to the model given to :func:`apply_policy`.
+        policy: the current :class:`~lightning_ckpt.core.policy.Policy`.
+    """
+
+    def __init__(self, model: nn.Module, found: List[Tuple[str, nn.Module]], options: CheckpointOptions) -> None:
+        self.names: Tuple[str, ...] = tuple(n for n, _ in found)
+        self.shared = _Shared(options)
+        self._forwards = [_BlockForward(block, i, name, self.shared) for i, (name, block) in enumerate(found)]
+        # resolved now: an ancestor wrapped later (FSDP) would change the paths
+        self._anchors = [_anchor(model, name) for name, _ in found]
+        self._regions: List[GroupRegion] = []
+        self._cache_configs: List[Any] = []  # Hugging Face configs whose use_cache this plan switched off
+        self._model_name = type(model).__name__
+        self._root = model
+        self.policy: Policy = parse_policy("none")
+        self.layout: Layout = Layout(("off",) * len(found))
+        for fwd, (_, block) in zip(self._forwards, found):
+            block.forward = fwd
+
+    # -- reading
+    @property
+    def spec(self) -> str:
+        return self.policy.spec
+
+    @property
+    def modes(self) -> Tuple[str, ...]:
+        return tuple(f.mode for f in self._forwards)
+
+    @property
+    def num_checkpointed(self) -> int:
+        return sum(f.mode != "off" for f in self._forwards)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._forwards)
+
+    @property
+    def blocks(self) -> List[nn.Module]:
+        return [f.block for f in self._forwards]
+
+    @property
+    def options(self) -> Dict[str, Any]:
+        return dict(vars(self.shared.options))
+
+    # -- changing
+    def retarget(self, policy: Union[str, Policy]) -> "CheckpointPlan":
+        """Switch to another policy in place (between optimizer steps, never inside one)."""
+        policy = parse_policy(policy)
+        layout = policy.layout(self.num_blocks)
+        self._install(layout)
+        self.policy = policy
+        return self
+
+    def set_modes(self, modes: Sequence[str]) -> "CheckpointPlan":
+        """Set each block's mode explicitly (``len(modes)`` must equal the number of blocks)."""
+        return self.retarget(ModesPolicy(tuple(modes), self.layout.save_ops))
+
+    def _install(self, layout: Layout) -> None:
+        for region in self._regions:
+            region.detach()
+        self._regions = []
+        self.shared.set_save_ops(layout.save_ops)
+        for fwd, mode in zip(self._forwards, layout.modes):
+            fwd.mode, fwd.region = mode, None
+        for start, stop in layout.groups:
+            members = self._forwards[start:stop]
+            region = GroupRegion(members, self._anchors[start])
+            for member in members:
+                member.region = region
+            self._regions.append(region)
+        self.layout = layout
+        if layout.num_checkpointed:
+            self._cache_configs.extend(_disable_hf_cache(self._root))
+
+    def set_options(self, options: CheckpointOptions) -> None:
+        self.shared.options = options
+
+    def remove(self) -> None:
+        """Restore every block's original forward and forget the plan."""
+        for region in self._regions:
+            region.detach()
+        self._regions = []
+        for fwd in self._forwards:
+            if fwd.block.__dict__.get("forward") is fwd:
+                if fwd.prior is None:
+                    del fwd.block.forward
+                else:
+                    fwd.block.forward = fwd.prior.__get__(fwd.block) if inspect.isfunction(fwd.prior) else fwd.prior
+        for config in self._cache_configs:  # what apply_policy changed is given back (save_pretrained sees it)
+            config.use_cache = True
+        self._cache_configs = []
+        if self._root.__dict__.get(_PLAN_ATTR) is self:
+            delattr(self._root, _PLAN_ATTR)
+
+    # -- persistence
+    def state_dict(self) -> Dict[str, Any]:
+        """Primitives only, so ``torch.load(weights_only=True)`` can read a checkpoint holding it."""
+        return {"version": _STATE_VERSION, "policy": self.spec, "names": list(self.names), "modes": list(self.modes)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> "CheckpointPlan":
+        """Re-apply a saved plan: its policy, then its per-block modes when they were changed at run time."""
+        if state.get("version") != _STATE_VERSION:
+            warnings.warn(f"lightning_ckpt: plan state version {state.get('version')!r} is not "
+                          f"{_STATE_VERSION}; loading what is compatible.", RuntimeWarning, stacklevel=2)
+        modes = tuple(state.get("modes", ()))
+        if list(state.get("names", [])) != list(self.names):
+            policy = parse_policy(state["policy"])
+            if isinstance(policy, ModesPolicy):  # a per-block list for other blocks means nothing here
+                warnings.warn("lightning_ckpt: the saved plan names different blocks than this model has; "
+                              "the plan was left as it is.", RuntimeWarning, stacklevel=2)
+                return self
+            warnings.warn(
+                "lightning_ckpt: the saved plan names different blocks than this model has; only its policy "
+                f"{state['policy']!r} was re-applied.", RuntimeWarning, stacklevel=2,
+            )
+            return self.retarget(policy)
+        self.retarget(state["policy"])
+        if modes and modes != self.modes:
+            self.set_modes(modes)
+        return self
+
+    # -- reporting
+    def summary(self) -> str:
+        """A small table: block, class, mode, region."""
+        region_of = {id(f): r for r in self._regions for f in r.members}
+        lines = [
+            f"lightning_ckpt plan for {self._model_name}: policy {self.spec!r}, "
+            f"{self.num_checkpointed}/{self.num_blocks} blocks checkpointed "
+            f"({describe_blocks([(f.name, f.block) for f in self._forwards])})",
+            f"  {'#':>3}  {'block':<40} {'class':<24} {'mode':<10} region",
+        ]
+        for f in self._forwards:
+            region = region_of.get(id(f))
+            own = "own" if f.mode != "off" else "-"
+            where = f"{region.members[0].index}-{region.members[-1].index}" if region else own
+            lines.append(f"  {f.index:>3}  {f.name:<40} {type(f.block).__name__:<24} {f.mode:<10} {where}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"CheckpointPlan(policy={self.spec!r}, checkpointed={self.num_checkpointed}/{self.num_blocks})"
+
+
+def _anchor(root: nn.Module, block_name: str) -> nn.Module:
+    """The closest ancestor of a block that is itself called (ModuleList/ModuleDict never are)."""
+    parts = block_name.split(".")[:-1]
+    while parts:
+        module = root.get_submodule(".".join(parts))
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            return module
+        parts.pop()
+    return root
+
+
+# ------------------------------------------------------------------------------------------------ public API
+
+
+def get_plan(model: nn.Module) -> Optional[CheckpointPlan]:
+    """The plan :func:`apply_policy` installed on ``model``, or ``None``."""
+    return model.__dict__.get(_PLAN_ATTR)
+
+
+def apply_policy(
+    model: nn.Module,
+    policy: Union[str, Policy] = "all",
+    blocks: BlockSelector = None,
+    *,
+    preserve_rng_state: bool = True,
+    determinism_check: str = "default",
+    debug: bool = False,
+    use_reentrant: bool = False,
+) -> CheckpointPlan:
+    """Checkpoint ``model``'s repeated blocks in place under ``policy``.
+
+    Idempotent: on a model that already has a plan over the same blocks, the existing plan is re-targeted and
+    returned; with a different ``blocks`` selector the old plan is removed first.
+
+    Args:
+        model: the model (or ``LightningModule``) that owns the blocks.
+        policy: a policy string (see :mod:`lightning_ckpt.core.policy`) or object.
+        blocks: block selector for :func:`~lightning_ckpt.core.blocks.find_blocks`; ``None`` detects them.
+        preserve_rng_state: stash and restore the RNG state so dropout masks are identical on replay.
+        determinism_check: ``"default"`` compares shapes/dtypes/devices of recomputed tensors; ``"none"`` skips it.
+        debug: include operator traces in checkpoint errors.
+        use_reentrant: must stay ``False``; reentrant checkpointing is refused.
+
+    Returns:
+        The :class:`CheckpointPlan`, also reachable with :func:`get_plan`.
+
+    Raises:
+        ValueError: reentrant requested, a bad policy/selector/``determinism_check``, no repeated blocks.
+        ForeignCheckpointingError: the model is already checkpointed by another library.
+    """
+    options = validate_options(use_reentrant, preserve_rng_state, determinism_check, debug)
+    policy = parse_policy(policy)
+    plan = get_plan(model)
+    if plan is not None:
+        if blocks is None or tuple(n for n, _ in find_blocks(model, blocks)) == plan.names:
+            plan.set_options(options)
+            return plan.retarget(policy)
+        plan.remove()
+    _refuse_foreign_checkpointing(model)
+    found = find_blocks(model, blocks)
+    for name, block in found:
+        if isinstance(block.__dict__.get("forward"), _BlockForward):
+            raise ValueError(
+                f"block {name!r} is already wrapped by another lightning_ckpt plan (applied to a submodule). "
+                "Call remove_checkpointing() on that submodule first, or apply the policy there only."
+            )
+    plan = CheckpointPlan(model, found, options)
+    model.__dict__[_PLAN_ATTR] = plan
+    try:
+        return plan.retarget(policy)
+    except Exception:
+        plan.remove()
+        raise
+
+
+def remove_checkpointing(model: nn.Module) -> None:
+    """Undo :func:`apply_policy`: every block gets its own forward back. A no-op without a plan."""
+    plan = get_plan(model)
+    if plan is not None:
+        plan.remove()
+
+
+def validate_options(use_reentrant, preserve_rng_state, determinism_check, debug) -> CheckpointOptions:
+    if use_reentrant:
+        raise ValueError(
+            "use_reentrant=True is not supported: reentrant checkpointing breaks with DDP when blocks are "
+            "checkpointed twice or have unused parameters, gives no gradients to frozen inputs (LoRA), and "
+            "cannot stop replay early. lightning_ckpt always uses use_reentrant=False; drop the argument."
+        )
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(
+            f"determinism_check={determinism_check!r} is not valid; choose one of {list(_DETERMINISM_CHECKS)}."
+        )
+    for name, value in (("preserve_rng_state", preserve_rng_state), ("debug", debug)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be True or False.")
+    return CheckpointOptions(preserve_rng_state, determinism_check, debug)
+
+
+def _refuse_foreign_checkpointing(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        label = name or type(model).__name__
+        if type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
+            raise ForeignCheckpointingError(
+                f"{label!r} is already wrapped by torch.distributed's checkpoint_wrapper (it adds "
+                "'_checkpoint_wrapped_module.' to parameter names). Remove that wrapping (or Lightning FSDP's "
+                "activation_checkpointing_policy) and let lightning_ckpt apply the policy instead."
+            )
+        if "checkpoint" in _composable_registry(module):
+            raise ForeignCheckpointingError(
+                f"{label!r} already has torch.distributed._composable.checkpoint applied; remove it before "
+                "applying a lightning_ckpt policy."
+            )
+        if getattr(module, "gradient_checkpointing", False) is True:
+            raise ForeignCheckpointingError(
+                f"{label!r} has Hugging Face gradient checkpointing enabled; call "
+                "model.gradient_checkpointing_disable() first and let lightning_ckpt choose the boundaries."
+            )
+
+
+def _composable_registry(module: nn.Module) -> Dict[str, Any]:
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # torch built without distributed
+        return {}
+    return _get_registry(module) or {}
+
+
+def _disable_hf_cache(model: nn.Module) -> List[Any]:
+    """Hugging Face KV caching is incompatible with checkpointed training: switch it off, warn once.
+
+    Returns the configs changed (each once), so that removing the plan can switch the cache back on.
+    """
+    changed, configs = [], []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            changed.append(type(module).__name__)
+            configs.append(config)
+    if changed:
+        warnings.warn(
+            f"lightning_ckpt: set {changed[0]}.config.use_cache=False: a key/value cache is for generation and "
+            "is incompatible with activation checkpointing during training. Pass use_cache=True explicitly to "
+            "generate().",
+            UserWarning,
+            stacklevel=4,
+        )
+    return configs

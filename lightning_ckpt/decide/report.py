@@ -1,0 +1,112 @@
+"""The end-of-fit ledger report: each line in GiB and % of capacity, the dominant line, the seed's advice.
+
+"The useful question is never 'which memory trick should we enable?' It is 'which line in the ledger is
+crossing the capacity limit?'" — :func:`ledger_report` answers it from the measured ledger, and says whether
+activation checkpointing is the right lever at all. Pure torch-free formatting; the callback prints it on rank
+zero and writes the JSON beside the logs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from lightning_ckpt.core.units import GiB
+from lightning_ckpt.measure.ledger import Ledger
+
+__all__ = ["ledger_report", "length_reading", "loglog_slope", "report_text", "suggest_policy"]
+
+_FRAGMENTATION_SHARE = 0.25  # reserved − allocated above this share of reserved reads as fragmentation
+
+
+def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
+    """Least-squares slope of log(y) on log(x): 1 = proportional, 2 = grows with the square."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
+    if len(pts) < 2 or len({p[0] for p in pts}) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    den = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den
+
+
+def length_reading(points: Sequence[Tuple[int, float]]) -> Optional[str]:
+    """The seed's reading of activation bytes per sample against sequence length, when lengths varied.
+
+    ``points``: (sequence length, activation bytes per sample) of measured steps; ``None`` with fewer than two
+    distinct lengths.
+    """
+    k = loglog_slope([p[0] for p in points], [p[1] for p in points])
+    if k is None:
+        return None
+    if k >= 1.5:
+        return (f"Activation bytes per sample grow with the square of sequence length (log-log slope {k:.2f} over "
+                f"lengths {sorted({p[0] for p in points})}): a materialized attention matrix; use a fused "
+                "attention kernel (scaled_dot_product_attention / flash) before checkpointing more.")
+    return (f"Activation bytes per sample grow about linearly with sequence length (log-log slope {k:.2f}): no "
+            "attention matrix is materialized.")
+
+
+def suggest_policy(current: str, ladder: Sequence[str], all_checkpointed: bool = False) -> str:
+    """The next rung up from ``current``: the measured lever for activations.
+
+    A policy off the ladder (a budget plan, explicit modes) moves to the ladder's top unless every block is
+    already checkpointed; past the top come ``offload``, then a smaller micro-batch.
+    """
+    ladder = list(ladder)
+    if current in ladder and ladder.index(current) + 1 < len(ladder):
+        return ladder[ladder.index(current) + 1]
+    if current not in ladder and not all_checkpointed:
+        return ladder[-1]
+    return "offload" if current != "offload" else "a smaller micro-batch with gradient accumulation"
+
+
+def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: Optional[Dict[str, Any]] = None,
+                  all_checkpointed: bool = False) -> Dict[str, Any]:
+    """A JSON-able report: lines (bytes and GiB), shares of capacity, the dominant line and the advice."""
+    lines = ledger.lines()
+    cap = ledger.capacity
+    dominant = ledger.dominant()
+    advice: List[str] = [ledger.diagnosis()]
+    if dominant == "activations":
+        advice.append(f"The measurements suggest policy {suggest_policy(policy, ladder, all_checkpointed)!r} "
+                      f"(currently {policy!r}).")
+    if ledger.cache is not None and ledger.peak_reserved and ledger.cache > _FRAGMENTATION_SHARE * ledger.peak_reserved:
+        advice.append(
+            f"Reserved exceeds allocated by {ledger.cache / GiB:.2f} GiB: that is the allocator's cache and "
+            "fragmentation, not live tensors; calling empty_cache() changes the display, not the workload."
+        )
+    quadratic = (history or {}).get("activations_vs_seq_len")
+    if quadratic:
+        advice.append(quadratic)
+    return {
+        "lines": {name: {"bytes": int(v), "gib": v / GiB, "share_of_capacity": (v / cap) if cap else None}
+                  for name, v in lines.items()},
+        "optimizer_by_dtype": dict(ledger.optimizer_by_dtype),
+        "master": ledger.master,
+        "peak_allocated": ledger.peak_allocated,
+        "peak_reserved": ledger.peak_reserved,
+        "capacity": cap,
+        "dominant": dominant,
+        "policy": policy,
+        "advice": advice,
+    }
+
+
+def report_text(report: Dict[str, Any]) -> str:
+    """The report as a table for the terminal."""
+    cap = report["capacity"]
+    rows = ["lightning_ckpt memory ledger (peak of the last measured step)",
+            f"  {'line':<14}{'GiB':>10}" + (f"{'% of capacity':>16}" if cap else "")]
+    for name, line in report["lines"].items():
+        mark = "  <- dominant" if name == report["dominant"] else ""
+        share = f"{line['share_of_capacity']:>16.1%}" if cap else ""
+        rows.append(f"  {name:<14}{line['gib']:>10.3f}{share}{mark}")
+    for dtype, size in sorted(report["optimizer_by_dtype"].items()):
+        rows.append(f"    optimizer {dtype:<8}{size / GiB:>8.3f}")
+    if report["master"]:
+        rows.append(f"    master copies {report['master'] / GiB:>8.3f}")
+    if cap:
+        rows.append(f"  capacity {cap / GiB:.2f} GiB")
+    rows.extend(f"  - {line}" for line in report["advice"])
+    return "\n".join(rows)

@@ -1,0 +1,173 @@
+"""Forecast the training-memory ledger for hardware you do not have, from numbers alone.
+
+Model state (exact given the dtypes): parameters, gradients, optimizer moments, an optional master copy.
+Activations (an estimate): one hidden-width tensor is ``micro_batch × seq_len × hidden × act_bytes``; a block
+keeps ``tensors_per_block`` of them when not checkpointed (A) and one (its input, B) when checkpointed; eager
+attention adds ``5·a·s²·b`` bytes per block (Korthikanti et al. 2022). Per policy:
+
+======================  ============================================================
+``none``                L·A
+``all``                 L·B + A   (boundaries, plus one block's interior while it replays)
+``every:N``             f·L·B + (1−f)·L·A + A with f = ⌈L/N⌉ / L
+``group:K``/``sqrt``    ⌈L/K⌉·B + K·A
+======================  ============================================================
+
+The seed's worked example (1.3 B parameters, bf16 parameters and gradients, Adam with fp32 moments and an fp32
+master copy, 24 blocks of width 2048, micro-batch 2 × 2048 tokens, bf16 activations) gives 2.42 GiB of
+parameters, 2.42 GiB of gradients, 9.69 GiB of moments, 4.84 GiB of master copy — 19.4 GiB of model state —
+16 MiB per hidden-width tensor and 384 MiB of boundaries with every block checkpointed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from lightning_ckpt._deprecation import renamed
+from lightning_ckpt.core.policy import EveryPolicy, GroupPolicy, parse_policy
+
+__all__ = [
+    "DTYPE_BYTES",
+    "OPTIMIZER_MOMENTS",
+    "ForecastInputs",
+    "LedgerForecast",
+    "crossing_line",
+    "forecast_from_numbers",
+]
+
+DTYPE_BYTES: Dict[str, int] = {
+    "fp64": 8, "float64": 8, "fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
+    "float16": 2, "fp8": 1, "int8": 1, "none": 0,
+}
+OPTIMIZER_MOMENTS: Dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1, "adafactor": 1, "lion": 1}
+DEFAULT_POLICIES = ("none", "every:2", "group:sqrt", "all")
+KORTHIKANTI_TENSORS = 17  # 34·s·b·h bytes at 2 bytes per value, fused attention
+
+
+def _dtype_bytes(name: str, arg: str) -> int:
+    key = name.lower()
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"{arg}={name!r} is not a known dtype; choose one of {sorted(set(DTYPE_BYTES))}.")
+    return DTYPE_BYTES[key]
+
+
+@dataclass(frozen=True)
+class ForecastInputs:
+    params: float
+    param_dtype: str = "bf16"
+    grad_dtype: str = "bf16"
+    optimizer: str = "adam"
+    moment_dtype: str = "fp32"
+    master_dtype: str = "none"
+    layers: int = 24
+    hidden: int = 2048
+    micro_batch: int = 1
+    seq_len: int = 2048
+    act_dtype: str = "bf16"
+    heads: int = 16
+    tensors_per_block: float = KORTHIKANTI_TENSORS
+    attention: str = "fused"
+    capacity: Optional[int] = None
+    policies: Tuple[str, ...] = DEFAULT_POLICIES
+
+    def __post_init__(self) -> None:
+        for name in ("params", "layers", "hidden", "micro_batch", "seq_len", "heads", "tensors_per_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive number.")
+        if self.optimizer.lower() not in OPTIMIZER_MOMENTS:
+            raise ValueError(f"--optimizer={self.optimizer!r} is not known; choose one of {sorted(OPTIMIZER_MOMENTS)}.")
+        if self.attention not in ("fused", "eager"):
+            raise ValueError(f"--attention={self.attention!r}: choose 'fused' or 'eager'.")
+        for arg in ("param_dtype", "grad_dtype", "moment_dtype", "master_dtype", "act_dtype"):
+            _dtype_bytes(getattr(self, arg), "--" + arg.replace("_", "-"))
+        for policy in self.policies:
+            parsed = parse_policy(policy)
+            if parsed.name not in ("none", "all", "every", "group"):
+                raise ValueError(f"policy {policy!r} cannot be predicted from numbers alone; use none, all, "
+                                 "every:N or group:K/sqrt (or --model to trace the real model).")
+
+
+@dataclass(frozen=True)
+class LedgerForecast:
+    """The predicted ledger; every figure in bytes."""
+
+    params: int
+    grads: int
+    optimizer: int
+    master: int
+    model_state: int
+    hidden_tensor: int
+    boundary_all: int
+    block_interior: int
+    activations: Dict[str, int]
+    peak: Dict[str, int]
+    capacity: Optional[int]
+    fits: Dict[str, Optional[bool]]
+    crosses: Dict[str, Optional[str]]
+    inputs: Dict[str, object] = field(default_factory=dict)
+
+    def as_json(self) -> Dict[str, object]:
+        return asdict(self)
+
+    def lines(self) -> List[Tuple[str, int]]:
+        return [("parameters", self.params), ("gradients", self.grads), ("optimizer moments", self.optimizer),
+                ("master copy", self.master)]
+
+
+def forecast_from_numbers(inputs: ForecastInputs) -> LedgerForecast:
+    """Compute the ledger for ``inputs``; see the module docstring for the formulas."""
+    n = inputs.params
+    params = round(n * _dtype_bytes(inputs.param_dtype, "--param-dtype"))
+    grads = round(n * _dtype_bytes(inputs.grad_dtype, "--grad-dtype"))
+    moments = OPTIMIZER_MOMENTS[inputs.optimizer.lower()]
+    optimizer = round(n * moments * _dtype_bytes(inputs.moment_dtype, "--moment-dtype"))
+    master = round(n * _dtype_bytes(inputs.master_dtype, "--master-dtype"))
+    model_state = params + grads + optimizer + master
+    act_bytes = _dtype_bytes(inputs.act_dtype, "--act-dtype")
+    hidden_tensor = inputs.micro_batch * inputs.seq_len * inputs.hidden * act_bytes
+    interior = round(inputs.tensors_per_block * hidden_tensor)
+    if inputs.attention == "eager":
+        interior += 5 * inputs.heads * inputs.seq_len**2 * inputs.micro_batch
+    activations = {p: _policy_activations(p, inputs.layers, hidden_tensor, interior) for p in inputs.policies}
+    peak = {p: model_state + a for p, a in activations.items()}
+    fits = {p: None if inputs.capacity is None else v <= inputs.capacity for p, v in peak.items()}
+    crosses = {p: crossing_line(params, grads, optimizer, master, activations[p], inputs.capacity)
+               for p in inputs.policies}
+    return LedgerForecast(params, grads, optimizer, master, model_state, hidden_tensor, inputs.layers * hidden_tensor,
+                      interior, activations, peak, inputs.capacity, fits, crosses, asdict(inputs))
+
+
+def _policy_activations(policy: str, layers: int, boundary: int, interior: int) -> int:
+    parsed = parse_policy(policy)
+    if parsed.name == "none":
+        return layers * interior
+    if parsed.name == "all":
+        return layers * boundary + interior
+    if isinstance(parsed, EveryPolicy):
+        checkpointed = math.ceil(layers / parsed.n)
+        return checkpointed * boundary + (layers - checkpointed) * interior + interior
+    assert isinstance(parsed, GroupPolicy)
+    k = parsed.size(layers)
+    return math.ceil(layers / k) * boundary + k * interior
+
+
+def crossing_line(params, grads, optimizer, master, activations, capacity) -> Optional[str]:
+    """The first ledger line at which the running total passes capacity (``None`` when everything fits)."""
+    if capacity is None:
+        return None
+    total = 0
+    for name, size in (("parameters", params), ("gradients", grads), ("optimizer moments", optimizer),
+                       ("master copy", master), ("activations", activations)):
+        total += size
+        if total > capacity:
+            return name
+    return None
+
+
+__getattr__ = renamed(__name__, {
+    "LedgerInputs": f"{__name__}:ForecastInputs",
+    "LedgerPlan": f"{__name__}:LedgerForecast",
+    "plan_from_numbers": f"{__name__}:forecast_from_numbers",
+})

@@ -1,0 +1,242 @@
+"""Forecast a real model's training memory without allocating it: fake tensors, one traced step per policy.
+
+``lightning-ckpt plan --model pkg.module:factory`` (and :func:`forecast_model`) builds the model under
+``torch._subclasses.fake_tensor.FakeTensorMode``: every parameter, gradient, optimizer moment and activation is a
+*fake tensor* with the real shape, dtype and device but no storage, so a 7-billion-parameter model is forecast on
+a laptop in seconds. Then, per policy, the policy is applied with :func:`lightning_ckpt.core.wrap.apply_policy`
+and one forward and backward is run on a fake batch under the activation meter itself
+(:class:`lightning_ckpt.measure.meter.StepMeter`, default mode, running the one tracker of
+:mod:`lightning_ckpt.measure.tracker` on fake tensors): the bytes saved for backward, once per storage while it
+is alive, parameters and buffers excluded, plus the live interior of every checkpointed region while it is
+replayed in backward (the *replay transient*). After the first backward the real optimizer steps once on the
+fake parameters, and the model-state lines (parameters, gradients, optimizer state, master copies) are walked by
+:func:`lightning_ckpt.measure.ledger.model_state_bytes` from the tensors the optimizer actually creates: exact,
+not estimated. What is loaded and how the loss is found: :mod:`lightning_ckpt.forecast.load`.
+
+Known limitations:
+    - Code that reads tensor *values* (``.item()``, data-dependent shapes, ``if mask.all()``) cannot run on fake
+      tensors; the error names the model and suggests the numbers route.
+    - Kernel workspaces, allocator rounding and the CUDA context are not tensors and are not predicted
+      (``peak = model state + activation peak``, as in the numbers route).
+    - Modes that move saved tensors elsewhere (``offload``) are counted as the meter counts them.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_ckpt._deprecation import renamed
+from lightning_ckpt.core.policy import parse_policy
+from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing
+from lightning_ckpt.forecast.load import TORCH_OPTIMIZERS, build_model, make_batch, make_optimizers, step_loss
+from lightning_ckpt.forecast.numbers import DTYPE_BYTES, LedgerForecast, crossing_line
+from lightning_ckpt.measure.ledger import model_state_bytes
+from lightning_ckpt.measure.meter import StepMeter
+
+__all__ = ["DEFAULT_POLICIES", "ModelForecast", "cast_floating", "forecast_model", "parse_dtype"]
+
+DEFAULT_POLICIES = ("none", "every:2", "group:sqrt", "all")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ModelForecast(LedgerForecast):
+    """The ledger forecast for a real model; every figure in bytes. Same keys as
+    :class:`lightning_ckpt.forecast.numbers.LedgerForecast` (``params`` … ``crosses``, ``inputs``), plus what the
+    trace saw.
+
+    Attributes (beyond the numbers forecast's):
+        model: the target as given.
+        num_params: parameters (elements).
+        blocks: how many repeated blocks were found; ``block_class`` their class.
+        replay_interior: per policy, the largest live interior of one replayed region (0 without replays).
+        trace_s: per policy, seconds the fake forward and backward took.
+    """
+
+    model: str = ""
+    num_params: int = 0
+    blocks: int = 0
+    block_class: str = ""
+    replay_interior: Dict[str, int] = field(default_factory=dict)
+    trace_s: Dict[str, float] = field(default_factory=dict)
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters and buffers in place, tied weights kept tied (``Module.to`` cannot swap fake
+    parameters)."""
+    memo: Dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            mod._parameters[name] = memo[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                mod._buffers[name] = b.to(dtype)
+
+
+def parse_dtype(name: Optional[str], arg: str = "--param-dtype") -> Optional[torch.dtype]:
+    """``"bf16"`` → ``torch.bfloat16`` (``None`` stays ``None``); a ``ValueError`` naming ``arg`` otherwise."""
+    if name is None:
+        return None
+    key = name.lower().replace("torch.", "")
+    if key not in _DTYPES:
+        raise ValueError(f"{arg}={name!r} is not a floating dtype torch can cast to; choose one of {sorted(_DTYPES)}.")
+    return _DTYPES[key]
+
+
+def forecast_model(
+    target: Any,
+    init_args: Optional[Dict[str, Any]] = None,
+    *,
+    micro_batch: int = 1,
+    seq_len: int = 2048,
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    param_dtype: Optional[str] = None,
+    optimizer: Optional[str] = None,
+    master_dtype: Optional[str] = None,
+    capacity: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    blocks: Any = None,
+) -> ModelForecast:
+    """Forecast the ledger of ``target`` per policy without allocating it (see the module docstring).
+
+    Args:
+        target: an import path, a callable or a Hugging Face config (see
+            :func:`lightning_ckpt.forecast.load.build_model`).
+        init_args: keyword arguments for the target.
+        micro_batch, seq_len: the batch shape traced.
+        policies: policy strings; any policy :func:`~lightning_ckpt.core.wrap.apply_policy` accepts.
+        param_dtype: cast floating parameters to this dtype (``"bf16"``); ``None`` keeps what the model builds.
+        optimizer: one of :data:`~lightning_ckpt.forecast.load.TORCH_OPTIMIZERS`; ``None`` uses the module's
+            ``configure_optimizers`` or AdamW.
+        master_dtype: add a master copy of every trainable parameter in this dtype (what mixed-precision
+            frameworks keep; torch optimizers keep none); ``None``/``"none"`` adds nothing.
+        capacity: device capacity in bytes, for ``fits`` and ``crosses``.
+        vocab_size: token id range of the synthetic batch (default: read from the model).
+        blocks: block selector for :func:`~lightning_ckpt.core.blocks.find_blocks`.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for name, value in (("--micro-batch", micro_batch), ("--seq-len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
+    policies = tuple(policies)
+    if not policies:
+        raise ValueError("--policies is empty; pass e.g. 'none,every:2,all'.")
+    for p in policies:
+        parse_policy(p)
+    dtype = parse_dtype(param_dtype)
+    master_key = (master_dtype or "none").lower()
+    if master_key not in DTYPE_BYTES:
+        raise ValueError(f"--master-dtype={master_dtype!r} is not a known dtype; choose one of "
+                         f"{sorted(set(DTYPE_BYTES))}.")
+    if optimizer is not None and optimizer.lower() not in TORCH_OPTIMIZERS:
+        raise ValueError(f"--optimizer={optimizer!r} cannot be built with --model; choose one of "
+                         f"{list(TORCH_OPTIMIZERS)} (or omit it to use the module's configure_optimizers()).")
+    label = target if isinstance(target, str) else getattr(target, "__qualname__", repr(target))
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fake:
+            model = build_model(target, init_args)
+            if dtype is not None:
+                cast_floating(model, dtype)
+            model.train()
+            batch = make_batch(model, micro_batch, seq_len, vocab_size)
+        plan = apply_policy(model, "none", blocks)
+    num_blocks, block_class = plan.num_blocks, type(plan.blocks[0]).__name__
+    boundary = {"bytes": 0}
+
+    def first_input(module, args, kwargs):
+        leaves, _ = tree_flatten((args, kwargs))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if tensors and not boundary["bytes"]:
+            boundary["bytes"] = tensors[0].numel() * tensors[0].element_size()
+
+    hook = plan.blocks[0].register_forward_pre_hook(first_input, with_kwargs=True)
+    activations: Dict[str, int] = {}
+    interiors: Dict[str, int] = {}
+    times: Dict[str, float] = {}
+    state = None
+    try:
+        for policy in policies:
+            plan.retarget(policy)
+            for p in model.parameters():
+                p.grad = None
+            gc.collect()
+            t0 = time.perf_counter()
+            meter = StepMeter(next(model.parameters()).device, model=model)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with fake, meter.step() as box:
+                    _trace_step(model, batch, label, policy)
+                    if state is None:
+                        opts = make_optimizers(model, optimizer)
+                        for opt in opts:
+                            opt.step()
+                        state = model_state_bytes(model, opts)
+                        del opts
+            times[policy] = time.perf_counter() - t0
+            activations[policy] = box.reading.activations
+            interiors[policy] = meter.largest_replay_interior
+    finally:
+        hook.remove()
+        remove_checkpointing(model)
+    assert state is not None
+    params, grads, master = state.params, state.grads, state.master
+    opt_bytes = state.optimizer - state.master
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    master += n_trainable * DTYPE_BYTES[master_key]
+    total = params + grads + opt_bytes + master
+    peak = {p: total + a for p, a in activations.items()}
+    fits = {p: None if capacity is None else v <= capacity for p, v in peak.items()}
+    crosses = {p: crossing_line(params, grads, opt_bytes, master, activations[p], capacity) for p in policies}
+    single = [v for p, v in interiors.items() if v and parse_policy(p).name != "group"]
+    block_interior = interiors.get("all") or (min(single) if single else max(interiors.values(), default=0))
+    inputs = dict(model=label, init_args=dict(init_args or {}), micro_batch=micro_batch, seq_len=seq_len,
+                  policies=list(policies), param_dtype=param_dtype, optimizer=optimizer, master_dtype=master_dtype,
+                  capacity=capacity, vocab_size=vocab_size)
+    return ModelForecast(
+        params=params, grads=grads, optimizer=opt_bytes, master=master, model_state=total,
+        hidden_tensor=boundary["bytes"], boundary_all=boundary["bytes"] * num_blocks, block_interior=block_interior,
+        activations=activations, peak=peak, capacity=capacity, fits=fits, crosses=crosses, inputs=inputs,
+        model=label, num_params=sum(p.numel() for p in model.parameters()), blocks=num_blocks,
+        block_class=block_class, replay_interior=interiors, trace_s=times,
+    )
+
+
+def _trace_step(model: nn.Module, batch: Any, label: str, policy: str) -> None:
+    """One fake forward and backward; what fake tensors cannot run becomes a ``ValueError`` naming the model."""
+    try:
+        loss = step_loss(model, batch)
+        loss.backward()
+    except (ValueError, TypeError):
+        raise
+    except Exception as err:  # data-dependent code and other things fake tensors cannot run
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise ValueError(f"--model={label!r} could not be traced on fake tensors under policy {policy!r}: "
+                         f"{type(err).__name__}: {first} — forecast it from numbers (--params ...) instead.") from None
+
+
+__getattr__ = renamed(__name__, {
+    "plan_model": f"{__name__}:forecast_model",
+    "ModelPlan": f"{__name__}:ModelForecast",
+    **{name: f"lightning_ckpt.demos.factories:{name}" for name in ("benchmark_gpt", "tiny_gpt", "gpt2_config",
+                                                                   "llama_7b_config")},
+    **{name: f"lightning_ckpt.forecast.load:{name}" for name in ("import_object", "load_init_args", "build_model",
+                                                                 "make_batch", "step_loss", "optimizers_from",
+                                                                 "make_optimizers")},
+})

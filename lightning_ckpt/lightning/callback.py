@@ -1,0 +1,249 @@
+"""The ``ActivationCheckpointing`` callback: Lightning's hooks, translated into calls of the engine."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_ckpt.core.blocks import BlockSelector
+from lightning_ckpt.core.policy import Policy
+from lightning_ckpt.core.wrap import CheckpointPlan
+from lightning_ckpt.decide.controller import Controller
+from lightning_ckpt.lightning.conflicts import ENGINE_ATTR
+from lightning_ckpt.lightning.engine import CheckpointingEngine
+from lightning_ckpt.lightning.metrics import TENSORBOARD_LAYOUT
+from lightning_ckpt.lightning.settings import Settings
+
+__all__ = ["TENSORBOARD_LAYOUT", "ActivationCheckpointing"]
+
+
+class ActivationCheckpointing(Callback):
+    """Checkpoint the repeated Transformer blocks of the LightningModule during ``fit``, measure every step, decide.
+
+    The blocks are patched in place (non-reentrant ``torch.utils.checkpoint``, RNG preserved): module paths,
+    ``state_dict()`` keys and parameters never change, so checkpoints load with or without the callback. The
+    ``*_ac`` strategies (``strategy="ddp_ac"``) put this same callback into the Trainer: both doors are one
+    product (:mod:`lightning_ckpt.lightning.engine`).
+
+    What happens at which hook:
+
+    - ``__init__``: every argument is validated; a bad value raises here.
+    - ``setup(stage="fit")``: refuses a second owner (another instance of this callback, a ``*_ac`` strategy,
+      Lightning FSDP's ``activation_checkpointing_policy``, DeepSpeed activation checkpointing) and arranges for
+      the plan to be applied right before ``strategy.setup``.
+    - right before ``strategy.setup`` (no callback hook exists there): the policy is applied. This is the first
+      moment the final module tree exists (after ``LightningModule.setup`` and ``configure_model``) and the last
+      one before the strategy wraps the model (DDP, or FSDP's auto-wrapping). With a ``ckpt_path``, Lightning
+      has restored this callback's state just before (unless the strategy restores after setup, e.g. FSDP: then
+      ``load_state_dict`` re-applies the saved plan at once), so the saved plan is in place before the first
+      resumed step. When the configured policy differs from the saved one, the configured one wins, with a
+      warning.
+    - ``on_fit_start``: measurement starts (and the plan is applied if the strategy's ``setup`` was bypassed).
+    - ``teardown`` / ``on_exception``: every hook and shim is removed.
+    - validation, test, predict and the sanity check run the plain forward; nothing is recomputed.
+
+    The plan stays on the model after ``fit`` (so ``fit`` again, or ``validate``, re-targets the same plan and
+    nothing is wrapped twice); call :func:`lightning_ckpt.remove_checkpointing` to undo it.
+
+    Args:
+        policy: which blocks to checkpoint and how: ``"all"``, ``"none"``, ``"every:N"``, ``"first:K"``,
+            ``"blocks:0-5,9"``, ``"group:K"``, ``"group:sqrt"``, ``"selective"``, ``"selective:mm,sdpa"``,
+            ``"offload"``, ``"budget:18GiB"`` (or a :class:`~lightning_ckpt.core.policy.Policy`). ``None``:
+            ``"all"``, or with ``auto_threshold`` the bottom rung of ``ladder``.
+        blocks: which modules are the blocks: ``None`` detects them; otherwise a class name (``"GPT2Block"``),
+            a path glob (``"model.layers.*"``), an ``nn.Module`` class, or a list of these.
+        preserve_rng_state: replay dropout with the same random state (keep ``True`` when dropout is active).
+        determinism_check: ``"default"`` checks that recomputed tensors match the originals' metadata;
+            ``"none"`` skips the check.
+        debug: add operator traces to checkpoint errors (slow).
+        measure: log the ledger, throughput and checkpointing metrics.
+        exact_every_n_steps: make every n-th measured step an exact (per-op, slow) calibration step; 0 never.
+        tokens_fn: ``tokens_fn(batch) -> int`` to count tokens yourself.
+        prefix: root for the metric names (``"ac"`` gives ``ac/memory/...``).
+        auto_threshold: activation peak that triggers more checkpointing: a size (``"18GiB"``, ``"512MiB"``,
+            bytes) or a fraction of capacity (``0.8``). ``None`` disables auto-toggling.
+        capacity: device capacity (``"24GiB"``) when it cannot be read from the device (CPU) or when planning
+            for another card.
+        ladder: policy strings from least to most checkpointing (default ``["none", "every:2", "all"]``).
+        release: a lower rung is taken when its predicted peak stays under ``release × auto_threshold``.
+        cooldown: optimizer steps of calm before stepping down, and the minimum dwell after a switch.
+        on_oom: ``"raise"`` (diagnose and re-raise) or ``"escalate"`` (retry the step one rung up).
+        stateful: modules with running statistics in checkpointed blocks: ``"warn"``, ``"skip"`` (keep those
+            blocks un-checkpointed) or ``"error"``.
+        verify: compare one checkpointed and one plain step on the first batch before training.
+        report: print and save the ledger report at the end of ``fit``.
+
+    Attributes:
+        plan: the :class:`~lightning_ckpt.core.wrap.CheckpointPlan` once applied (``None`` before ``fit``).
+        controller: the auto-toggle :class:`~lightning_ckpt.decide.controller.Controller` (with
+            ``auto_threshold``).
+        last_metrics: the last measured step's logged figures (reduced across ranks).
+
+    Logged metric keys (``measure=True``), once per *optimizer* step on the steps Lightning logs
+    (``log_every_n_steps``; with gradient accumulation the figures cover all micro-batches of the step):
+
+    - ``memory/peak_allocated_gib``, ``memory/peak_reserved_gib``: CUDA allocator peaks, reset every step (no
+      device sync). On the CPU there is no allocator counter and these keys are not logged (no fake zeros).
+    - ``memory/params_gib``, ``memory/grads_gib``, ``memory/optimizer_gib`` (every tensor of the optimizer's
+      state), ``memory/optimizer_master_gib`` (when master copies exist), ``memory/activations_gib`` (the
+      step's activation peak including a block's replay transient; device independent, see
+      :mod:`lightning_ckpt.measure.meter`), and on CUDA ``memory/other_gib`` and ``memory/cache_gib``
+      (reserved − allocated).
+    - ``throughput/tokens_per_sec``, ``throughput/samples_per_sec``, ``time/step_s``: tokens counted from the
+      batch (``attention_mask`` non-padding when present, else the token tensor's size) or by ``tokens_fn``;
+      time from the end of the previous optimizer step, validation excluded.
+    - ``checkpointing/blocks`` (blocks checkpointed this step) and ``checkpointing/level`` (rung of the
+      escalation ladder, with ``auto_threshold``).
+    - The progress bar shows ``act_GiB`` and ``tok/s``.
+    - Several processes: memory lines are the maximum over ranks, throughput the sum; only rank zero writes.
+      With a ``TensorBoardLogger`` a custom-scalars layout puts the ledger lines in one "Memory" chart beside
+      "Throughput" and "Checkpointing".
+
+    Auto-toggle (``auto_threshold=...``): the controller reads the activation peak of every optimizer step
+    (maximum over ranks, so every rank decides alike) and moves along ``ladder``: up as soon as the peak crosses
+    the threshold, down after ``cooldown`` calm steps under ``release × threshold``, always between optimizer
+    steps, by changing block modes in place. Its state is saved in checkpoints.
+
+    Out of memory: the error that reaches you names the phase of the step (before forward, forward, backward,
+    first or later optimizer step) with the seed's suspect and the last measured ledger; it is a
+    ``torch.OutOfMemoryError`` raised from the original. With ``on_oom="escalate"`` the step is retried on the
+    same batch one rung up the ladder until the ladder is exhausted.
+
+    Budget (``policy="budget:18GiB"`` or ``"budget:0.5"`` of capacity): two calibration steps measure every
+    block's saved bytes and forward time, :func:`lightning_ckpt.decide.budget.plan_budget` picks the per-block
+    plan with the least replay time whose predicted activation peak fits, the next step is measured against the
+    prediction, and the plan is corrected once if it does not fit.
+
+    Diagnosis: at the end of ``fit`` (and on :meth:`report`) rank zero prints the ledger table and the seed's
+    advice, and writes ``lightning_ckpt_report.json`` beside the logs. Before the first step, and on every plan
+    change, the plan is checked for replay hazards (``stateful``); with ``verify=True`` the first batch is run
+    with and without checkpointing and compared (:func:`lightning_ckpt.decide.verify.verify_equivalence`).
+
+    Known limitations:
+        - Only ``fit`` applies the plan; ``validate``/``test``/``predict`` alone leave the model untouched.
+        - Blocks created lazily inside the first ``forward`` are not found (build them in ``__init__``,
+          ``setup`` or ``configure_model``).
+        - A model already checkpointed by ``checkpoint_wrapper``, composable ``checkpoint`` or Hugging Face
+          ``gradient_checkpointing_enable()`` is refused with an error instead of being checkpointed twice.
+        - ``budget:`` re-calibrates after a resume (two steps at about the ``every:2`` memory level); each rank
+          calibrates on its own measurements.
+    """
+
+    def __init__(
+        self,
+        policy: Union[str, Policy, None] = None,
+        blocks: BlockSelector = None,
+        preserve_rng_state: bool = True,
+        determinism_check: Literal["default", "none"] = "default",
+        debug: bool = False,
+        measure: bool = True,
+        exact_every_n_steps: int = 0,
+        tokens_fn: Optional[Callable[[Any], Any]] = None,
+        prefix: str = "",
+        auto_threshold: Optional[Union[str, int, float]] = None,
+        capacity: Optional[Union[str, int]] = None,
+        ladder: Optional[List[str]] = None,
+        release: float = 0.8,
+        cooldown: int = 20,
+        on_oom: Literal["raise", "escalate"] = "raise",
+        stateful: Literal["warn", "skip", "error"] = "warn",
+        verify: bool = False,
+        report: bool = True,
+    ) -> None:
+        settings = Settings(policy=policy, blocks=blocks, preserve_rng_state=preserve_rng_state,
+                            determinism_check=determinism_check, debug=debug, measure=measure,
+                            exact_every_n_steps=exact_every_n_steps, tokens_fn=tokens_fn, prefix=prefix,
+                            auto_threshold=auto_threshold, capacity=capacity, ladder=ladder, release=release,
+                            cooldown=cooldown, on_oom=on_oom, stateful=stateful, verify=verify, report=report)
+        setattr(self, ENGINE_ATTR, CheckpointingEngine(settings, owner=type(self).__name__))
+
+    # ------------------------------------------------------------------------------------------ what users read
+    @property
+    def _engine(self) -> CheckpointingEngine:
+        return getattr(self, ENGINE_ATTR)
+
+    @property
+    def settings(self) -> Settings:
+        """The validated arguments."""
+        return self._engine.settings
+
+    @property
+    def plan(self) -> Optional[CheckpointPlan]:
+        return self._engine.plan
+
+    @property
+    def policy(self) -> Policy:
+        """The configured starting policy."""
+        return self._engine.policy
+
+    @property
+    def controller(self) -> Optional[Controller]:
+        return self._engine.controller
+
+    @property
+    def last_metrics(self) -> Dict[str, float]:
+        return self._engine.last_metrics
+
+    @property
+    def last_result(self):
+        return self._engine.last_result
+
+    @property
+    def calibration(self):
+        return self._engine.calibration
+
+    def report(self, trainer: Optional["pl.Trainer"] = None) -> str:
+        """The ledger report of the last measured step; with ``trainer`` (call it on every rank under DDP) rank
+        zero also writes it as JSON beside the logs."""
+        return self._engine.report(trainer)
+
+    # ------------------------------------------------------------------------------------------ hooks → engine
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._engine.setup(trainer, stage)
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._engine.fit_start(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        self._engine.batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
+        self._engine.before_backward()
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
+        self._engine.before_optimizer_step()
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._engine.batch_end(trainer, pl_module)
+
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._engine.pause()
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._engine.resume()
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._engine.release(trainer)
+        self._engine.guard.annotate(exception)
+
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._engine.fit_end(trainer)
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._engine.release(trainer)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self._engine.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._engine.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        auto = self._engine.settings.auto_threshold
+        return f"{type(self).__name__}(policy={self.policy.spec!r}" + (
+            f", auto_threshold={auto!r})" if auto is not None else ")")

@@ -1,0 +1,382 @@
+"""The engine behind both doors: one object owns the whole lifecycle of activation checkpointing in a Trainer.
+
+configure (:class:`~lightning_ckpt.lightning.settings.Settings`) → find and apply the blocks' plan right before
+the strategy wraps the model → check replay safety on every plan change → measure each optimizer step → decide
+(auto-toggle, budget) → recover from out-of-memory → report at the end of ``fit`` → save and restore its state.
+
+:class:`~lightning_ckpt.ActivationCheckpointing` (the callback) translates Lightning's hooks into calls of this
+class and nothing else; the ``*_ac`` strategies put that same callback into ``trainer.callbacks``. So both doors
+are one code path: the same metrics, the same checks, the same report.
+
+Every change of plan (auto-toggle, budget, escalation, resume) goes through :meth:`CheckpointingEngine.change_plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Union
+
+import torch
+
+from lightning_ckpt.core.policy import Policy
+from lightning_ckpt.core.replay import register_replay_hook
+from lightning_ckpt.core.units import GiB
+from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
+from lightning_ckpt.decide.budget import BudgetCalibration
+from lightning_ckpt.decide.controller import Controller, resolve_threshold
+from lightning_ckpt.decide.diagnosis import PhaseTracker
+from lightning_ckpt.decide.report import ledger_report, length_reading, report_text
+from lightning_ckpt.decide.safety import preflight
+from lightning_ckpt.decide.verify import verify_equivalence
+from lightning_ckpt.lightning import conflicts, shims
+from lightning_ckpt.lightning.metrics import log_metrics, reduce_across_ranks, tensorboard_layout
+from lightning_ckpt.lightning.recovery import StepGuard
+from lightning_ckpt.lightning.settings import Settings
+from lightning_ckpt.measure.meter import device_capacity
+from lightning_ckpt.measure.monitor import StepMonitor, StepResult
+from lightning_ckpt.measure.tokens import count_samples, sequence_length
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+__all__ = ["REPORT_FILE", "STATE_VERSION", "CheckpointingEngine"]
+
+REPORT_FILE = "lightning_ckpt_report.json"
+STATE_VERSION = 1
+_STATE_KEYS = frozenset({"version", "policy", "plan_policy", "names", "modes", "controller"})
+
+
+class CheckpointingEngine:
+    """One door's activation checkpointing, from configuration to the end-of-fit report.
+
+    Args:
+        settings: the validated arguments of the door.
+        owner: how the door describes itself in error messages (``"ActivationCheckpointing"``, or the strategy's
+            class name when a ``*_ac`` strategy owns the engine).
+    """
+
+    def __init__(self, settings: Settings, owner: str = "ActivationCheckpointing") -> None:
+        self.settings = settings
+        self.owner = owner
+        self.plan: Optional[CheckpointPlan] = None
+        self.controller: Optional[Controller] = None
+        self.monitor: Optional[StepMonitor] = None
+        self.calibration: Optional[BudgetCalibration] = None
+        self.phase = PhaseTracker()
+        self.guard = StepGuard(self)
+        self.capacity: Optional[int] = settings.capacity_bytes
+        self.last_metrics: Dict[str, float] = {}
+        self.last_result: Optional[StepResult] = None
+        self._pending: Optional[Dict[str, Any]] = None  # restored state waiting for the plan to exist
+        self._applied_in_run = False
+        self._verified = False
+        self._warned_no_logger = False
+        self._handles: list = []  # forward pre-hook, replay hook
+        self._by_length: Dict[int, float] = {}  # sequence length -> activation bytes per sample (report)
+        self._batch_shape: Optional[tuple] = None
+
+    # ------------------------------------------------------------------------------------------ describing
+    @property
+    def policy(self) -> Policy:
+        """The configured starting policy."""
+        return self.settings.start
+
+    def describe(self) -> str:
+        """``Owner(policy='every:2')``: used in conflict messages."""
+        return f"{self.owner}(policy={self.policy.spec!r})"
+
+    def info(self, message: str) -> None:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        rank_zero_info(f"lightning_ckpt: {message}")
+
+    def _key(self, name: str) -> str:
+        return f"{self.settings.prefix}/{name}" if self.settings.prefix else name
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def setup(self, trainer: "pl.Trainer", stage: str) -> None:
+        """Every run: refuse conflicts; when fitting, arrange for the plan to be applied before strategy setup."""
+        self._applied_in_run = False
+        self._pending = None
+        found = conflicts.owners(trainer)
+        if len(found) > 1:
+            raise RuntimeError(conflicts.two_owners_message(found))
+        conflicts.check_strategy(trainer.strategy)
+        if stage == "fit":
+            if self.settings.auto_threshold is not None:
+                conflicts.refuse_static_graph(trainer.strategy, "auto_threshold")
+            shims.run_before_strategy_setup(trainer.strategy, self.apply)
+            shims.install_optimizer_step_guard(trainer.strategy, self.guard.guarded_step)
+
+    def apply(self, trainer: "pl.Trainer") -> CheckpointPlan:
+        """Checkpoint the LightningModule's blocks under the starting policy, then re-apply any restored state.
+
+        Idempotent: on a model that already holds a plan, that plan is re-targeted in place (nothing is wrapped
+        twice), so ``fit`` twice or ``fit`` then ``validate`` keep one wrapping.
+        """
+        model = trainer.lightning_module
+        existing = get_plan(model)
+        if existing is not None and existing is not self.plan and existing.spec != self.policy.spec:
+            warnings.warn(f"lightning_ckpt: the model already holds a plan with policy {existing.spec!r} set outside "
+                          f"{self.describe()}; re-targeting it to {self.policy.spec!r}.", RuntimeWarning,
+                          stacklevel=2)
+        o = self.settings.options
+        self.plan = apply_policy(model, self.policy, self.settings.blocks, preserve_rng_state=o.preserve_rng_state,
+                                 determinism_check=o.determinism_check, debug=o.debug)
+        self._applied_in_run = True
+        self.capacity = self.settings.capacity_bytes or device_capacity(trainer.strategy.root_device)
+        if self.settings.auto_threshold is not None:
+            self.controller = Controller(threshold=resolve_threshold(self.settings.auto_threshold, self.capacity),
+                                         ladder=self.settings.ladder, release=self.settings.release,
+                                         cooldown=self.settings.cooldown,
+                                         level=self.settings.ladder.index(self.policy.spec))
+        self._check_replay_safety()
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self._restore(state)
+        self.info(self.plan.summary().splitlines()[0].removeprefix("lightning_ckpt "))
+        return self.plan
+
+    def fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Start measuring: the step monitor, the replay hooks, the budget calibration, the TensorBoard layout."""
+        if self.plan is None:  # the strategy's setup was bypassed: apply now
+            self.apply(trainer)
+        s = self.settings
+        device = trainer.strategy.root_device
+        self.monitor = StepMonitor(device, tokens_fn=s.tokens_fn, capacity=self.capacity,
+                                   exact_every_n_steps=s.exact_every_n_steps)
+        self.monitor.watch(pl_module)
+        self._release_handles()
+        self._handles.append(register_replay_hook(self.guard.note_replay))
+        if self.plan.blocks:
+            self._handles.append(self.plan.blocks[0].register_forward_pre_hook(lambda *_: self.phase.forward_start()))
+        if s.budget is not None:
+            budget = s.budget.budget
+            budget = int(budget * self.capacity) if isinstance(budget, float) else budget
+            sync = torch.cuda.synchronize if device.type == "cuda" else None
+            self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes)
+        if s.measure and not trainer.loggers and not self._warned_no_logger:
+            self._warned_no_logger = True
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn("lightning_ckpt: measure=True but the Trainer has no logger, so the memory curves are not "
+                           "saved; pass a logger (e.g. TensorBoardLogger) or measure=False.")
+        if s.measure and trainer.is_global_zero:
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_custom_scalars(tensorboard_layout(s.prefix))
+
+    # ------------------------------------------------------------------------------------------ plan changes
+    def change_plan(self, policy: Union[str, Policy], level: Optional[int] = None) -> None:
+        """Switch the plan between optimizer steps; the one way a running plan changes (see the module doc)."""
+        self.plan.retarget(policy)
+        if level is not None and self.controller is not None:
+            self.controller.level = level
+            self.controller.since_switch = self.controller.calm_steps = 0
+        self._check_replay_safety()
+
+    def set_modes(self, modes: Sequence[str]) -> None:
+        """Set per-block modes (the budget calibration's plans) through the same checks."""
+        self.plan.set_modes(modes)
+        self._check_replay_safety()
+
+    def _check_replay_safety(self) -> None:
+        skipped = preflight(self.plan, self.settings.stateful)
+        if skipped:
+            self.info(f"kept {skipped} un-checkpointed (running statistics, stateful='skip').")
+
+    # ------------------------------------------------------------------------------------------ the step
+    def batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                    batch_idx: int) -> None:
+        if self.settings.verify and not self._verified:
+            self._verify(pl_module, batch, batch_idx)
+        self.phase.batch_start()
+        if self.monitor is None:
+            return
+        if not self.monitor.in_step:
+            self._batch_shape = (sequence_length(batch), count_samples(batch))
+            if self.calibration is not None and not self.calibration.done:
+                self.calibration.begin_step()
+            self.monitor.begin_step(measure=self._measuring_this_step(trainer))
+        self.monitor.add_batch(batch)
+
+    def _measuring_this_step(self, trainer: "pl.Trainer") -> bool:
+        wanted = self.settings.measure and trainer._logger_connector.should_update_logs
+        calibrating = self.calibration is not None and not self.calibration.done
+        return bool(wanted or self.controller is not None or calibrating)
+
+    def before_backward(self) -> None:
+        self.phase.backward_start()
+
+    def before_optimizer_step(self) -> None:
+        self.phase.optimizer_step_start()
+
+    def batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """After the last micro-batch of an optimizer step: read, reduce, log and decide."""
+        if trainer.fit_loop._should_accumulate() or self.monitor is None or not self.monitor.in_step:
+            return
+        self.phase.optimizer_step_end()
+        plan = self.plan
+        result = self.monitor.end_step(pl_module, trainer.optimizers, plan.num_checkpointed if plan else 0)
+        self.last_result = result
+        if result.ledger is None:
+            return
+        self._note_length(result)
+        metrics = reduce_across_ranks(trainer.strategy, result.metrics(self.settings.prefix))
+        if self.controller is not None:
+            metrics[self._key("checkpointing/level")] = float(self.controller.level)
+        self.last_metrics = metrics
+        if self.settings.measure and trainer._logger_connector.should_update_logs:
+            log_metrics(pl_module, metrics, self.settings.prefix)
+        if self.controller is not None:
+            self._decide(trainer, metrics)
+        if self.calibration is not None and not self.calibration.done and result.ledger.activations is not None:
+            self.calibration.end_step(result.ledger.activations)
+            for message in self.calibration.messages:
+                self.info(message)
+            self.calibration.messages.clear()
+
+    def _note_length(self, result: StepResult) -> None:
+        length, samples = self._batch_shape or (None, 0)
+        if length and samples and result.ledger.activations:
+            per_sample = result.ledger.activations / samples
+            self._by_length[length] = max(self._by_length.get(length, 0.0), per_sample)
+
+    def _decide(self, trainer: "pl.Trainer", metrics: Dict[str, float]) -> None:
+        reading = metrics.get(self._key("memory/activations_gib"))
+        if reading is None:
+            return
+        decision = self.controller.observe(reading * GiB)
+        if decision.changed:
+            self.change_plan(decision.policy)
+            self.info(f"step {trainer.global_step}: {decision.reason} ({self.plan.num_checkpointed}/"
+                      f"{self.plan.num_blocks} blocks checkpointed)")
+
+    def pause(self) -> None:
+        """Validation starts: its time is no step's."""
+        if self.monitor is not None:
+            self.monitor.pause()
+
+    def resume(self) -> None:
+        if self.monitor is not None:  # only the validation run is cut out; the next batch's loading still counts
+            self.monitor.resume()
+
+    def _verify(self, pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        self._verified = True
+        if self.plan is None or not self.plan.num_checkpointed:
+            return
+
+        def loss_fn() -> torch.Tensor:
+            out = pl_module.training_step(batch, batch_idx)
+            return out["loss"] if isinstance(out, dict) else out
+
+        report = verify_equivalence(pl_module, self.plan, loss_fn)
+        self.info("verify: checkpointed and plain step agree\n" + report.table())
+
+    # ------------------------------------------------------------------------------------------ the end
+    def fit_end(self, trainer: "pl.Trainer") -> None:
+        if self.settings.report and self.last_result is not None and self.last_result.ledger is not None:
+            text = self.report(trainer)  # every rank: trainer.log_dir is a collective under DDP
+            if trainer.is_global_zero:
+                print(text)
+
+    def report(self, trainer: Optional["pl.Trainer"] = None) -> str:
+        """The ledger report of the last measured step; with ``trainer`` rank zero also writes it as JSON."""
+        if self.last_result is None or self.last_result.ledger is None:
+            return "lightning_ckpt: no step has been measured yet."
+        plan = self.plan
+        reading = length_reading(sorted(self._by_length.items()))
+        data = ledger_report(self.last_result.ledger, plan.spec if plan else "none", self.settings.ladder,
+                             history={"activations_vs_seq_len": reading} if reading else None,
+                             all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks))
+        folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None
+        if folder is not None and trainer.is_global_zero:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, REPORT_FILE), "w") as fh:
+                json.dump(data, fh, indent=2)
+        return report_text(data)
+
+    def release(self, trainer: "pl.Trainer") -> None:
+        """Remove every hook and shim this engine installed (teardown, or a run that raised)."""
+        shims.remove_before_strategy_setup(trainer.strategy)
+        shims.remove_optimizer_step_guard(trainer.strategy)
+        self._release_handles()
+        if self.monitor is not None:
+            self.monitor.close()
+
+    def _release_handles(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------------------------------ persistence
+    def state_dict(self) -> Dict[str, Any]:
+        """Primitives only: ``version``, configured ``policy``, plan ``plan_policy``/``names``/``modes``, and the
+        auto-toggle's ``controller`` state."""
+        if self.plan is None:
+            if self._pending is not None:  # restored but not applied yet: keep what the user had
+                return dict(self._pending)
+            return {"version": STATE_VERSION, "policy": self.policy.spec}
+        plan = self.plan.state_dict()
+        state = {"version": STATE_VERSION, "policy": self.policy.spec, "plan_policy": plan["policy"],
+                 "names": list(plan["names"]), "modes": list(plan["modes"])}
+        if self.controller is not None:
+            state["controller"] = self.controller.state_dict()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a saved plan: at once if this run already applied it (the strategy restores after setup),
+        else when this run applies the plan (a plan left by an earlier run would be re-targeted there)."""
+        state = _check_state(state)
+        if state is None:
+            return
+        if self._applied_in_run:
+            self._restore(state)
+        else:
+            self._pending = state
+
+    def _restore(self, state: Dict[str, Any]) -> None:
+        saved = state.get("policy")
+        if saved != self.policy.spec:
+            warnings.warn(
+                f"lightning_ckpt: the checkpoint was trained with policy {saved!r} but {self.describe()} is "
+                f"configured with {self.policy.spec!r}; the configured policy wins. To resume with the saved "
+                f"plan, pass policy={saved!r}.", UserWarning, stacklevel=3)
+            self.change_plan(self.policy)
+            return
+        controller = state.get("controller")
+        if controller is not None and self.controller is not None:
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            for note in self.controller.load_state_dict(controller):
+                rank_zero_warn(f"lightning_ckpt: {note}")
+            self.change_plan(self.controller.policy)
+        if "plan_policy" not in state:
+            return
+        if list(state.get("names", [])) != list(self.plan.names):
+            warnings.warn(
+                f"lightning_ckpt: the checkpoint's plan covers blocks {state.get('names')}, this model has "
+                f"{list(self.plan.names)}; keeping the configured policy {self.policy.spec!r}.", UserWarning,
+                stacklevel=3)
+            return
+        self.plan.load_state_dict({"version": 1, "policy": state["plan_policy"], "names": state.get("names", []),
+                                   "modes": state.get("modes", [])})
+        self._check_replay_safety()
+
+
+def _check_state(state: Any) -> Optional[Dict[str, Any]]:
+    if not isinstance(state, dict) or not isinstance(state.get("policy"), str):
+        warnings.warn(f"lightning_ckpt: ignoring unreadable saved state {state!r}; using the configured policy.",
+                      UserWarning, stacklevel=3)
+        return None
+    if state.get("version") != STATE_VERSION:
+        warnings.warn(f"lightning_ckpt: saved state version {state.get('version')!r} is not {STATE_VERSION}; "
+                      "loading what is compatible.", UserWarning, stacklevel=3)
+    unknown = sorted(set(state) - _STATE_KEYS)
+    if unknown:
+        warnings.warn(f"lightning_ckpt: ignoring unknown keys {unknown} in saved state.", UserWarning, stacklevel=3)
+    return state

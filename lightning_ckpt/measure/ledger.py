@@ -1,0 +1,352 @@
+"""The memory ledger of a training step: which line (parameters, gradients, optimizer state, activations, other,
+allocator cache) holds the memory, and which one dominates. Pure torch (no Lightning).
+
+The model-state lines come from walking the real objects, not from formulas:
+
+- ``params``: every parameter once (tied or shared tensors deduplicated), ``numel × element_size``.
+- ``grads``: every ``.grad`` that exists right now (``None`` grads cost nothing), including grads of master
+  copies the optimizer updates.
+- ``optimizer``: every tensor reachable from ``optimizer.state`` (moments, step counters, master copies kept in
+  the state), broken down by dtype, plus *master copies held as the optimizer's own parameters* (the optimizer
+  steps fp32 clones while the model holds low-precision weights). ``master`` is the part of ``optimizer`` that
+  is master copies: state entries whose key names a master/fp32 copy of the parameter (``master_param``,
+  ``fp32_param``, ...), and optimizer parameters that are not parameters of the model.
+
+The step lines come from a :class:`~lightning_ckpt.measure.meter.StepReading`: ``activations`` (the activation peak),
+``peak_allocated``/``peak_reserved`` (CUDA only), and two derived lines on CUDA:
+
+- ``other = peak_allocated − params − grads − optimizer − activations``, floored at 0: kernel workspaces,
+  activation gradients and other backward temporaries, the CUDA context's tensors, inputs. The lines above do
+  not all peak at the same moment (gradients are often still absent when the activations peak), so the sum can
+  exceed the peak; the floor then reports "nothing unexplained" rather than a negative amount.
+- ``cache = peak_reserved − peak_allocated``: memory the caching allocator holds without a tensor in it.
+
+On the CPU these two are ``None``: there is no allocator to read, and no figure is invented.
+
+Example:
+    >>> ledger = build_ledger(model, [optimizer], meter.stop_step(), capacity=device_capacity(device))
+    >>> trainer.logger.log_metrics(ledger.as_metrics())
+    >>> print(ledger.diagnosis())
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Set, Tuple, Union
+
+import torch
+from torch import nn
+
+from lightning_ckpt.core.units import GiB, format_bytes
+from lightning_ckpt.measure.meter import StepReading
+from lightning_ckpt.measure.tracker import storage_key
+
+__all__ = ["LEDGER_LINES", "Ledger", "ModelState", "build_ledger", "model_state_bytes"]
+
+LEDGER_LINES = ("params", "grads", "optimizer", "activations", "other", "cache")
+"""The lines of the ledger, in the order they are printed and logged."""
+
+_MASTER_KEY = re.compile(r"master|fp32_?param|param_?fp32|full_precision|hp_param|high_precision", re.IGNORECASE)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds); any other tensor unchanged."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _key(t: torch.Tensor) -> Tuple[Any, ...]:
+    """Identity of the memory a tensor covers: two tensors with the same key are counted once.
+
+    Storage identity rather than the data pointer, so fake tensors (data pointer 0) are told apart too and the
+    forecast (:mod:`lightning_ckpt.forecast.trace`) walks its fake model state with this very function.
+    """
+    try:
+        return (t.device, storage_key(t.untyped_storage()), t.storage_offset(), t.numel(), t.dtype)
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage at all: identity only
+        return ("id", id(t))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Tally:
+    """Bytes of distinct tensors, by dtype."""
+
+    def __init__(self, device: Optional[torch.device], seen: Optional[Set[Tuple[Any, ...]]] = None) -> None:
+        self.device = device
+        self.seen: Set[Tuple[Any, ...]] = seen if seen is not None else set()
+        self.total = 0
+        self.by_dtype: Dict[str, int] = {}
+
+    def add(self, t: Any) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        t = _local(t)
+        if self.device is not None and not _same_device(t.device, self.device):
+            return 0
+        k = _key(t)
+        if k in self.seen:
+            return 0
+        self.seen.add(k)
+        n = _nbytes(t)
+        if n:
+            self.total += n
+            name = _dtype_name(t.dtype)
+            self.by_dtype[name] = self.by_dtype.get(name, 0) + n
+        return n
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _tensors(obj: Any) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(key path, tensor) for every tensor inside nested dicts/lists/tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield "", obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            for path, t in _tensors(v):
+                yield (f"{k}.{path}" if path else str(k)), t
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            for path, t in _tensors(v):
+                yield (f"{i}.{path}" if path else str(i)), t
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes held by the model and its optimizers, measured by walking the real tensors.
+
+    Attributes:
+        params: distinct parameter bytes.
+        params_by_dtype: ``params`` per dtype name (``"bfloat16"``, ``"float32"``, ...).
+        grads: bytes of the ``.grad`` tensors that exist (model parameters and optimizer-held master copies).
+        grads_by_dtype: ``grads`` per dtype name.
+        optimizer: every optimizer-held byte: the state walk plus master copies held as optimizer parameters.
+        optimizer_by_dtype: ``optimizer`` per dtype name.
+        master: the part of ``optimizer`` that is master copies of the parameters.
+        master_by_dtype: ``master`` per dtype name.
+    """
+
+    params: int = 0
+    params_by_dtype: Dict[str, int] = field(default_factory=dict)
+    grads: int = 0
+    grads_by_dtype: Dict[str, int] = field(default_factory=dict)
+    optimizer: int = 0
+    optimizer_by_dtype: Dict[str, int] = field(default_factory=dict)
+    master: int = 0
+    master_by_dtype: Dict[str, int] = field(default_factory=dict)
+
+
+def _as_optimizers(optimizers: Any) -> Sequence[Any]:
+    if optimizers is None:
+        return []
+    if hasattr(optimizers, "state") and hasattr(optimizers, "param_groups"):
+        return [optimizers]
+    return list(optimizers)
+
+
+def model_state_bytes(
+    model: nn.Module,
+    optimizers: Union[Any, Iterable[Any], None] = (),
+    device: Union[torch.device, str, None] = None,
+) -> ModelState:
+    """Walk parameters, gradients and optimizer state; see the module docstring for what each line holds.
+
+    Args:
+        model: the model whose parameters and gradients are counted.
+        optimizers: a ``torch.optim.Optimizer`` (or anything with ``state`` and ``param_groups``, such as
+            Lightning's ``LightningOptimizer``), or several.
+        device: count only tensors on this device (e.g. the rank's GPU, leaving CPU-offloaded optimizer state
+            and CPU step counters out); ``None`` counts every device.
+
+    Returns:
+        A :class:`ModelState`. Adam's moments appear only after its first ``step()`` (it allocates them lazily).
+    """
+    dev = torch.device(device) if device is not None else None
+    params_t = _Tally(dev)
+    grads_t = _Tally(dev)
+    model_params = list(model.parameters())
+    for p in model_params:
+        params_t.add(p)
+        grads_t.add(p.grad)
+    model_param_keys = {_key(_local(p)) for p in model_params}
+
+    opt_t = _Tally(dev, seen=set(params_t.seen))  # a state entry aliasing a parameter is not extra memory
+    master_t = _Tally(dev)
+    for opt in _as_optimizers(optimizers):
+        for group in getattr(opt, "param_groups", ()):
+            for p in group.get("params", ()):
+                if isinstance(p, torch.Tensor) and _key(_local(p)) not in model_param_keys:
+                    # the optimizer steps a tensor the model does not own: a master copy
+                    if opt_t.add(p):
+                        master_t.add(p)
+                    grads_t.add(p.grad)
+        for state in getattr(opt, "state", {}).values():
+            for path, t in _tensors(state):
+                if opt_t.add(t) and _MASTER_KEY.search(path):
+                    master_t.add(t)
+    return ModelState(
+        params=params_t.total,
+        params_by_dtype=params_t.by_dtype,
+        grads=grads_t.total,
+        grads_by_dtype=grads_t.by_dtype,
+        optimizer=opt_t.total,
+        optimizer_by_dtype=opt_t.by_dtype,
+        master=master_t.total,
+        master_by_dtype=master_t.by_dtype,
+    )
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """One step's memory ledger in bytes; ``None`` means "cannot be measured here" (e.g. allocator lines on CPU).
+
+    Attributes:
+        params, grads, optimizer: model-state lines (see :func:`model_state_bytes`).
+        optimizer_by_dtype: the optimizer line per dtype name.
+        master: the part of ``optimizer`` that is master copies of the parameters.
+        activations: the step's activation peak (see :mod:`lightning_ckpt.measure.meter`); ``None`` if not measured.
+        peak_allocated, peak_reserved: allocator peaks of the step (CUDA only).
+        other: ``peak_allocated`` minus the four lines above, floored at 0 (CUDA only).
+        cache: ``peak_reserved − peak_allocated`` (CUDA only).
+        capacity: total device memory, when known.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    optimizer_by_dtype: Dict[str, int] = field(default_factory=dict)
+    master: int = 0
+    activations: Optional[int] = None
+    peak_allocated: Optional[int] = None
+    peak_reserved: Optional[int] = None
+    other: Optional[int] = None
+    cache: Optional[int] = None
+    capacity: Optional[int] = None
+
+    @property
+    def model_state(self) -> int:
+        """Parameters + gradients + optimizer state."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def headroom(self) -> Optional[int]:
+        """``capacity − peak_reserved`` when both are known."""
+        if self.capacity is None or self.peak_reserved is None:
+            return None
+        return self.capacity - self.peak_reserved
+
+    def lines(self) -> Dict[str, int]:
+        """The measured lines (``None`` ones left out), in :data:`LEDGER_LINES` order."""
+        return {name: getattr(self, name) for name in LEDGER_LINES if getattr(self, name) is not None}
+
+    def dominant(self) -> str:
+        """The name of the largest line (ties go to the earlier line in :data:`LEDGER_LINES`)."""
+        lines = self.lines()
+        return max(lines, key=lambda name: (lines[name], -LEDGER_LINES.index(name)))
+
+    def as_metrics(self, prefix: str = "memory") -> Dict[str, float]:
+        """GiB floats keyed ``{prefix}/params_gib`` ... ; unmeasured (``None``) lines are left out.
+
+        Keys: ``params_gib``, ``grads_gib``, ``optimizer_gib``, ``activations_gib``, ``peak_allocated_gib``,
+        ``peak_reserved_gib``, ``other_gib``, ``cache_gib``, and ``optimizer_master_gib`` (part of
+        ``optimizer_gib``) only when master copies exist.
+        """
+        values = {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "peak_allocated": self.peak_allocated,
+            "peak_reserved": self.peak_reserved,
+            "other": self.other,
+            "cache": self.cache,
+            "optimizer_master": self.master or None,
+        }
+        root = f"{prefix}/" if prefix else ""
+        return {f"{root}{name}_gib": v / GiB for name, v in values.items() if v is not None}
+
+    def diagnosis(self) -> str:
+        """One paragraph: the dominant line and whether activation checkpointing is the remedy for it."""
+        lines = self.lines()
+        total = sum(lines.values())
+        top = self.dominant()
+        share = lines[top] / total if total else 0.0
+        head = f"the {top} line dominates the ledger ({format_bytes(lines[top])}, {share:.0%} of {format_bytes(total)})"
+        if self.capacity is not None and self.peak_reserved is not None:
+            head += f"; peak reserved {format_bytes(self.peak_reserved)} of {format_bytes(self.capacity)}"
+        advice = {
+            "activations": "activation checkpointing (or a smaller micro-batch / shorter sequence) is the lever.",
+            "params": "checkpointing cannot help: shard or quantize the weights, or use parameter-efficient "
+                      "fine-tuning.",
+            "grads": "checkpointing cannot help: shard gradients (FSDP/ZeRO), freeze layers, or accumulate in a "
+                     "lower precision.",
+            "optimizer": "checkpointing cannot help: use an optimizer with a smaller state (8-bit, factored), "
+                         "shard or offload the state.",
+            "other": "checkpointing will not fix this: look for large workspaces, materialized attention "
+                     "scores, or activation gradients (profile the peak).",
+            "cache": "the allocator holds unused blocks: fragmentation; try "
+                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before changing the model.",
+        }[top]
+        return f"{head}: {advice}"
+
+    def __str__(self) -> str:
+        rows = [f"{name:<12} {format_bytes(v):>12}" for name, v in self.lines().items()]
+        if self.master:
+            rows.append(f"{'  (master)':<12} {format_bytes(self.master):>12}")
+        for name in ("peak_allocated", "peak_reserved", "capacity"):
+            v = getattr(self, name)
+            if v is not None:
+                rows.append(f"{name:<12} {format_bytes(v):>12}")
+        return "\n".join(rows)
+
+
+def build_ledger(
+    model: nn.Module,
+    optimizers: Union[Any, Iterable[Any], None],
+    reading: Optional[StepReading],
+    capacity: Optional[int] = None,
+    device: Union[torch.device, str, None] = None,
+) -> Ledger:
+    """Combine the model state (walked now) with a step's reading into a :class:`Ledger`.
+
+    Args:
+        model: the model; its parameters and gradients are walked now (call it after backward and before
+            ``zero_grad`` to see the gradients).
+        optimizers: the optimizer(s); see :func:`model_state_bytes`.
+        reading: the step's :class:`~lightning_ckpt.measure.meter.StepReading`, or ``None`` (model state only).
+        capacity: total device memory in bytes (:func:`~lightning_ckpt.measure.meter.device_capacity`), if known.
+        device: restrict the model-state walk to this device; ``None`` counts every device.
+    """
+    state = model_state_bytes(model, optimizers, device=device)
+    activations = reading.activations if reading is not None else None
+    peak_allocated = reading.peak_allocated if reading is not None else None
+    peak_reserved = reading.peak_reserved if reading is not None else None
+    other = cache = None
+    if peak_allocated is not None and activations is not None:
+        other = max(0, peak_allocated - state.params - state.grads - state.optimizer - activations)
+    if peak_allocated is not None and peak_reserved is not None:
+        cache = peak_reserved - peak_allocated
+    return Ledger(
+        params=state.params,
+        grads=state.grads,
+        optimizer=state.optimizer,
+        optimizer_by_dtype=dict(state.optimizer_by_dtype),
+        master=state.master,
+        activations=activations,
+        peak_allocated=peak_allocated,
+        peak_reserved=peak_reserved,
+        other=other,
+        cache=cache,
+        capacity=capacity,
+    )

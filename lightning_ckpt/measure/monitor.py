@@ -1,0 +1,151 @@
+"""One optimizer step's measurements, ready to log: the ledger, tokens/s, step time. Pure torch (no Lightning).
+
+:class:`StepMonitor` is what the callback drives from its hooks: :meth:`~StepMonitor.begin_step` before the
+first micro-batch of an optimizer step, :meth:`~StepMonitor.add_batch` for every micro-batch,
+:meth:`~StepMonitor.end_step` after the optimizer step. It owns a :class:`~lightning_ckpt.measure.meter.StepMeter`.
+
+Time and throughput: a step's wall time runs from the end of the previous optimizer step (so data loading is
+included, as a user timing the loop would see it) to the end of this one; validation and other pauses between
+steps are cut out with :meth:`~StepMonitor.pause` / :meth:`~StepMonitor.resume` (only the paused interval: the
+next step still includes the loading of its batch). The first step of a run starts at :meth:`begin_step` (the
+loader's start-up before it is no step's). ``tokens_per_sec = tokens / step_s``; tokens are counted
+from the batch (``attention_mask`` non-padding when present, else the token tensor's size) or by ``tokens_fn``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_ckpt.measure.ledger import Ledger, build_ledger
+from lightning_ckpt.measure.meter import StepMeter, StepReading
+from lightning_ckpt.measure.tokens import count_samples, count_tokens
+
+__all__ = ["MEMORY_MAX_KEYS", "THROUGHPUT_SUM_KEYS", "StepMonitor", "StepResult"]
+
+MEMORY_MAX_KEYS = ("params", "grads", "optimizer", "activations", "peak_allocated", "peak_reserved", "other", "cache")
+THROUGHPUT_SUM_KEYS = ("tokens_per_sec", "samples_per_sec")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step measured on this rank."""
+
+    reading: Optional[StepReading]
+    ledger: Optional[Ledger]
+    tokens: int
+    samples: int
+    step_s: float
+    checkpointed_blocks: int
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def samples_per_sec(self) -> float:
+        return self.samples / self.step_s if self.step_s > 0 else 0.0
+
+    def metrics(self, prefix: str = "") -> Dict[str, float]:
+        """Every metric name of DESIGN.md that this step measured (GiB floats for memory)."""
+        root = f"{prefix}/" if prefix else ""
+        out = dict(self.ledger.as_metrics(prefix=f"{root}memory")) if self.ledger is not None else {}
+        out[f"{root}throughput/tokens_per_sec"] = self.tokens_per_sec
+        out[f"{root}throughput/samples_per_sec"] = self.samples_per_sec
+        out[f"{root}time/step_s"] = self.step_s
+        out[f"{root}checkpointing/blocks"] = float(self.checkpointed_blocks)
+        return out
+
+
+class StepMonitor:
+    """Measures optimizer steps for one training run (see the module docstring).
+
+    Args:
+        device: this rank's training device.
+        tokens_fn: ``tokens_fn(batch) -> int`` overriding the token count.
+        capacity: device capacity in bytes for the ledger, if known.
+        exact_every_n_steps: make every n-th measured step an exact (calibration) step; 0 never.
+    """
+
+    def __init__(self, device: Union[torch.device, str], *, tokens_fn: Optional[Callable[[Any], Any]] = None,
+                 capacity: Optional[int] = None, exact_every_n_steps: int = 0) -> None:
+        self.meter = StepMeter(device)
+        self.tokens_fn = tokens_fn
+        self.capacity = capacity
+        self.exact_every_n_steps = exact_every_n_steps
+        self._last_end: Optional[float] = None
+        self._paused_at: Optional[float] = None
+        self._measured = 0
+        self._tokens: Any = 0
+        self._samples = 0
+        self._open = False
+        self._ledger_wanted = False
+
+    def watch(self, model: nn.Module) -> None:
+        self.meter.watch(model)
+
+    @property
+    def in_step(self) -> bool:
+        return self._open
+
+    def begin_step(self, measure: bool) -> None:
+        """Start an optimizer step; ``measure`` counts activations and builds the ledger at the end."""
+        if self._paused_at is not None:  # paused without resume(): time from here on
+            self._last_end, self._paused_at = None, None
+        if self._last_end is None:
+            self._last_end = time.perf_counter()
+        exact = bool(measure and self.exact_every_n_steps and self._measured % self.exact_every_n_steps == 0)
+        self.meter.start_step(exact=exact, activations=measure)
+        self._ledger_wanted = measure
+        self._tokens, self._samples, self._open = 0, 0, True
+
+    def add_batch(self, batch: Any) -> None:
+        if not self._ledger_wanted:  # counts are only read on measured steps: no work (or GPU op) otherwise
+            return
+        self._tokens = self._tokens + count_tokens(batch, self.tokens_fn)
+        self._samples += count_samples(batch)
+
+    def end_step(self, model: nn.Module, optimizers: Iterable[Any], checkpointed_blocks: int) -> StepResult:
+        """Close the step; the ledger is built only when the step was measured."""
+        reading = self.meter.stop_step()
+        now = time.perf_counter()
+        step_s = now - (self._last_end if self._last_end is not None else now)
+        self._last_end = now
+        self._open = False
+        ledger = None
+        if self._ledger_wanted:
+            self._measured += 1
+            ledger = build_ledger(model, list(optimizers), reading, capacity=self.capacity, device=self.meter.device)
+        # a token count on the GPU is read only on measured steps: reading it waits for the device
+        tokens = int(self._tokens) if self._ledger_wanted else 0
+        return StepResult(reading if self._ledger_wanted else None, ledger, tokens, self._samples, step_s,
+                          checkpointed_blocks)
+
+    def pause(self) -> None:
+        """Time from now until :meth:`resume` is not part of any step (validation runs between steps).
+
+        Without a ``resume()``, the next step starts at its :meth:`begin_step`.
+        """
+        if self._paused_at is None:
+            self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        """End a :meth:`pause`: the paused interval is cut out of the next step's time."""
+        if self._paused_at is None:
+            return
+        if self._last_end is not None:
+            self._last_end += time.perf_counter() - self._paused_at
+        self._paused_at = None
+
+    def abort(self) -> None:
+        """Drop an open step (an exception inside it) and remove every hook."""
+        self.meter.close()
+        self._open = False
+        self._last_end = self._paused_at = None
+
+    def close(self) -> None:
+        self.abort()

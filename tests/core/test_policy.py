@@ -1,0 +1,418 @@
+"""Policy grammar, canonical specs, layouts and errors (``lightning_ckpt.core.policy``)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_ckpt.core.policy import (
+    GRAMMAR,
+    MODES,
+    SELECTIVE_ALIASES,
+    AllPolicy,
+    BlocksPolicy,
+    BudgetPolicy,
+    EveryPolicy,
+    FirstPolicy,
+    GroupPolicy,
+    Layout,
+    ModesPolicy,
+    NonePolicy,
+    OffloadPolicy,
+    Policy,
+    SelectivePolicy,
+    parse_policy,
+)
+from lightning_ckpt.core.units import GiB
+
+OFF, RE = "off", "recompute"
+
+
+def _present(*names):
+    return tuple(n for n in names if hasattr(torch.ops.aten, n))
+
+
+MM_OPS = _present(*SELECTIVE_ALIASES["mm"])
+SDPA_OPS = _present(*SELECTIVE_ALIASES["sdpa"])
+
+# --------------------------------------------------------------------------------------------- grammar
+
+PARSED = [
+    ("none", NonePolicy(), "none"),
+    ("all", AllPolicy(), "all"),
+    ("every:2", EveryPolicy(2), "every:2"),
+    ("every:3", EveryPolicy(3), "every:3"),
+    ("first:4", FirstPolicy(4), "first:4"),
+    ("first:0", FirstPolicy(0), "first:0"),
+    ("blocks:0-5,9", BlocksPolicy((0, 1, 2, 3, 4, 5, 9)), "blocks:0-5,9"),
+    ("blocks:9,0-2,1", BlocksPolicy((0, 1, 2, 9)), "blocks:0-2,9"),  # sorted, deduplicated, re-compressed
+    ("blocks:7", BlocksPolicy((7,)), "blocks:7"),
+    ("group:4", GroupPolicy(4), "group:4"),
+    ("group:sqrt", GroupPolicy("sqrt"), "group:sqrt"),
+    ("selective", SelectivePolicy(("mm", "sdpa")), "selective"),
+    ("selective:mm,sdpa", SelectivePolicy(("mm", "sdpa")), "selective"),  # the default list prints short
+    ("selective:mm", SelectivePolicy(("mm",)), "selective:mm"),
+    ("selective:conv,gelu", SelectivePolicy(("conv", "gelu")), "selective:conv,gelu"),
+    ("offload", OffloadPolicy(), "offload"),
+    ("budget:18GiB", BudgetPolicy(18 * GiB), f"budget:{18 * GiB}"),
+    ("budget:0.8", BudgetPolicy(0.8), "budget:0.8"),
+    ("budget:1.0", BudgetPolicy(1.0), "budget:1.0"),
+    ("modes:off,recompute,selective", ModesPolicy((OFF, RE, "selective")), "modes:off,recompute,selective"),
+    # whitespace and the name's case are forgiven
+    ("  Every : 2 ", EveryPolicy(2), "every:2"),
+    ("ALL", AllPolicy(), "all"),
+    ("blocks: 0 - 2 , 4", BlocksPolicy((0, 1, 2, 4)), "blocks:0-2,4"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected", "spec"), PARSED, ids=[p[0] for p in PARSED])
+def test_parse_and_canonical_spec(text, expected, spec):
+    policy = parse_policy(text)
+    assert policy == expected
+    assert type(policy) is type(expected)
+    assert policy.spec == spec
+    assert str(policy) == spec
+
+
+@pytest.mark.parametrize("text", [p[0] for p in PARSED])
+def test_spec_round_trips(text):
+    policy = parse_policy(text)
+    again = parse_policy(policy.spec)
+    assert again == policy
+    assert again.spec == policy.spec
+    assert hash(again) == hash(policy)
+
+
+def test_budget_values_are_parsed_to_bytes_or_fraction():
+    assert parse_policy("budget:18GiB").budget == 19327352832
+    assert isinstance(parse_policy("budget:18GiB").budget, int)
+    assert parse_policy("budget:0.8").budget == 0.8
+    assert isinstance(parse_policy("budget:0.8").budget, float)
+    assert parse_policy("budget:512MiB").budget == 512 * 1024**2
+    assert parse_policy("budget:2.5GB").budget == 2_500_000_000
+
+
+def test_policy_objects_and_none_pass_through():
+    policy = EveryPolicy(3)
+    assert parse_policy(policy) is policy
+    assert parse_policy(None) == NonePolicy()
+    assert all(isinstance(parse_policy(t), Policy) for t, _, _ in PARSED)
+
+
+def test_distinct_policies_are_not_equal():
+    assert NonePolicy() != AllPolicy()
+    assert EveryPolicy(2) != EveryPolicy(3)
+    assert GroupPolicy(4) != GroupPolicy("sqrt")
+    assert len({parse_policy(t) for t in ("all", "all", "every:2", "every:2", "none")}) == 3
+
+
+def test_grammar_string_lists_every_form():
+    for form in (
+        "none",
+        "all",
+        "every:N",
+        "first:K",
+        "blocks:0-5,9",
+        "group:K",
+        "group:sqrt",
+        "selective",
+        "selective:mm,sdpa",
+        "offload",
+        "budget:",
+    ):
+        assert form in GRAMMAR
+
+
+# --------------------------------------------------------------------------------------------- frozen
+
+
+@pytest.mark.parametrize(
+    ("policy", "field"),
+    [
+        (EveryPolicy(2), "n"),
+        (FirstPolicy(2), "k"),
+        (BlocksPolicy((1,)), "indices"),
+        (GroupPolicy(2), "k"),
+        (SelectivePolicy(), "ops"),
+        (BudgetPolicy(0.5), "budget"),
+        (ModesPolicy((OFF,)), "modes"),
+        (NonePolicy(), "anything"),
+        (AllPolicy(), "anything"),
+        (OffloadPolicy(), "anything"),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Policy) else v,
+)
+def test_policies_are_frozen(policy, field):
+    before = policy.spec
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(policy, field, 5)
+    assert policy.spec == before
+
+
+def test_layout_is_frozen():
+    layout = AllPolicy().layout(3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.modes = ()
+
+
+# --------------------------------------------------------------------------------------------- layouts (L=12)
+
+
+def _recomputed(layout):
+    return [i for i, mode in enumerate(layout.modes) if mode == RE]
+
+
+@pytest.mark.parametrize(
+    ("text", "indices"),
+    [
+        ("none", []),
+        ("all", list(range(12))),
+        ("every:1", list(range(12))),
+        ("every:2", [0, 2, 4, 6, 8, 10]),
+        ("every:3", [0, 3, 6, 9]),
+        ("every:5", [0, 5, 10]),
+        ("every:12", [0]),
+        ("every:20", [0]),
+        ("first:0", []),
+        ("first:3", [0, 1, 2]),
+        ("first:20", list(range(12))),
+        ("blocks:0-5,9", [0, 1, 2, 3, 4, 5, 9]),
+        ("blocks:11", [11]),
+    ],
+)
+def test_block_layouts_for_12_blocks(text, indices):
+    layout = parse_policy(text).layout(12)
+    assert len(layout.modes) == 12
+    assert _recomputed(layout) == indices
+    assert set(layout.modes) <= {OFF, RE}
+    assert layout.num_checkpointed == len(indices)
+    assert layout.groups == ()
+    assert layout.save_ops == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "num_blocks", "groups"),
+    [
+        ("group:sqrt", 12, ((0, 4), (4, 8), (8, 12))),  # ceil(sqrt(12)) = 4
+        ("group:sqrt", 16, ((0, 4), (4, 8), (8, 12), (12, 16))),
+        ("group:sqrt", 10, ((0, 4), (4, 8), (8, 10))),  # ceil(sqrt(10)) = 4
+        ("group:sqrt", 2, ((0, 2),)),
+        ("group:4", 12, ((0, 4), (4, 8), (8, 12))),
+        ("group:5", 12, ((0, 5), (5, 10), (10, 12))),
+        ("group:4", 13, ((0, 4), (4, 8), (8, 12))),  # block 12 alone: its own region, no group
+        ("group:12", 12, ((0, 12),)),
+        ("group:1", 12, ()),  # one-block groups are plain regions
+        ("group:sqrt", 1, ()),
+    ],
+)
+def test_group_layouts(text, num_blocks, groups):
+    layout = parse_policy(text).layout(num_blocks)
+    assert layout.modes == (RE,) * num_blocks
+    assert layout.groups == groups
+    assert layout.num_checkpointed == num_blocks
+
+
+def test_group_size():
+    assert GroupPolicy("sqrt").size(12) == 4
+    assert GroupPolicy("sqrt").size(9) == 3
+    assert GroupPolicy("sqrt").size(0) == 1
+    assert GroupPolicy(5).size(12) == 5
+
+
+def test_selective_layouts_expand_aliases_to_aten_ops():
+    layout = parse_policy("selective").layout(12)
+    assert layout.modes == ("selective",) * 12
+    assert layout.num_checkpointed == 12
+    assert layout.groups == ()
+    assert layout.save_ops == MM_OPS + SDPA_OPS
+    assert {"mm", "addmm", "bmm"} <= set(layout.save_ops)
+    assert parse_policy("selective:mm").layout(2).save_ops == MM_OPS
+    assert parse_policy("selective:sdpa,mm").layout(2).save_ops == SDPA_OPS + MM_OPS
+    assert parse_policy("selective:conv,gelu").layout(2).save_ops == ("convolution", "gelu")
+    assert parse_policy("selective:mm,addmm").aten_ops() == MM_OPS  # addmm already in the alias: not repeated
+
+
+def test_offload_layout():
+    layout = parse_policy("offload").layout(12)
+    assert layout.modes == ("offload",) * 12
+    assert layout.num_checkpointed == 12
+
+
+def test_modes_policy_layout():
+    layout = ModesPolicy((OFF, RE, "selective", "offload")).layout(4)
+    assert layout.modes == (OFF, RE, "selective", "offload")
+    assert layout.num_checkpointed == 3
+    assert layout.save_ops == MM_OPS + SDPA_OPS  # selective blocks get the default save list
+    assert ModesPolicy((OFF, RE)).layout(2).save_ops == ()
+    with pytest.raises(ValueError, match=r"^3 block modes given for a model with 2 blocks\.$"):
+        ModesPolicy((OFF, RE, RE)).layout(2)
+
+
+def test_every_mode_is_a_known_mode():
+    assert MODES == ("off", "recompute", "selective", "offload")
+    for text, _, _ in PARSED:
+        policy = parse_policy(text)
+        if not isinstance(policy, (BudgetPolicy, ModesPolicy)):
+            assert set(policy.layout(12).modes) <= set(MODES)
+
+
+def test_layouts_for_zero_blocks():
+    assert parse_policy("all").layout(0) == Layout(())
+    assert parse_policy("every:2").layout(0) == Layout(())
+    assert parse_policy("group:sqrt").layout(0) == Layout(())
+
+
+def test_blocks_policy_out_of_range_fails_at_layout_time():
+    policy = parse_policy("blocks:0-5,12,14")  # fine on its own
+    assert policy.layout(15).num_checkpointed == 8
+    with pytest.raises(ValueError) as err:
+        policy.layout(12)
+    assert str(err.value) == (
+        "policy 'blocks:0-5,12,14' names block indices [12, 14] but the model has 12 blocks "
+        "(valid indices 0-11); fix the index list."
+    )
+
+
+def test_budget_policy_needs_measurement():
+    for text in ("budget:18GiB", "budget:0.8"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^policy '{text.split(':')[0]}:[0-9.]+' is chosen from measured "
+            r"activation memory, so it cannot be applied statically",
+        ):
+            parse_policy(text).layout(12)
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_name_lists_the_grammar_and_suggests():
+    with pytest.raises(ValueError) as err:
+        parse_policy("evry:2")
+    assert str(err.value) == f"Unknown policy 'evry:2'. Did you mean 'every'? Valid policies: {GRAMMAR}."
+    with pytest.raises(ValueError, match=r"^Unknown policy 'selectve'\. Did you mean 'selective'\?"):
+        parse_policy("selectve")
+    with pytest.raises(ValueError, match=r"^Unknown policy 'group_sqrt'\. Did you mean 'group'\?"):
+        parse_policy("group_sqrt")
+    with pytest.raises(ValueError) as err:
+        parse_policy("zzzz")
+    assert str(err.value) == f"Unknown policy 'zzzz'. Valid policies: {GRAMMAR}."
+    with pytest.raises(ValueError, match=r"^Unknown policy ''\. Valid policies"):
+        parse_policy("")
+
+
+@pytest.mark.parametrize(
+    ("text", "detail"),
+    [
+        ("every:x", "every:N needs an integer, got 'x' (e.g. 'every:2')."),
+        ("every:2.5", "every:N needs an integer, got '2.5' (e.g. 'every:2')."),
+        ("every:0", "every:N needs an integer ≥ 1, got 0 (e.g. 'every:2')."),
+        ("every:-1", "every:N needs an integer ≥ 1, got -1 (e.g. 'every:2')."),
+        ("first:-1", "first:K needs an integer ≥ 0, got -1 (e.g. 'first:2')."),
+        ("first:two", "first:K needs an integer, got 'two' (e.g. 'first:2')."),
+        ("blocks:5-2", "blocks: range '5-2' runs backwards; write it low-high, e.g. '0-5'."),
+        ("blocks:1-x", "blocks:index needs an integer, got 'x' (e.g. 'blocks:2')."),
+        ("blocks:,", "blocks: needs indices, e.g. 'blocks:0-5,9'."),
+        ("group:0", "group:K needs an integer ≥ 1, got 0 (e.g. 'group:2')."),
+        ("group:sqr", "group:K needs an integer, got 'sqr' (e.g. 'group:2')."),
+        (
+            "selective:notanop",
+            "selective: unknown op 'notanop'; use an alias (mm, sdpa, conv) or a torch.ops.aten "
+            "op name such as 'mm', 'addmm', 'gelu'.",
+        ),
+        ("selective:mm,notanop", "selective: unknown op 'notanop'"),
+        (
+            "budget:18 parsecs",
+            "budget='18 parsecs' has an unknown unit 'parsecs'; valid units are B, KiB, MiB, GiB, "
+            "TiB, KB, MB, GB, TB.",
+        ),
+        ("budget:0", "budget='0' must be a positive size"),
+        ("budget:1.5", "budget='1.5' is not a valid fraction of capacity; a fraction must lie in (0, 1]"),
+        (
+            "modes:off,bogus",
+            "unknown block modes ['bogus']; valid modes are ['off', 'recompute', 'selective', 'offload'].",
+        ),
+    ],
+)
+def test_malformed_arguments(text, detail):
+    with pytest.raises(ValueError) as err:
+        parse_policy(text)
+    message = str(err.value)
+    assert message.startswith(f"Malformed policy {text!r}: {detail}")
+    assert message.endswith(f"Valid policies: {GRAMMAR}.")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("blocks:", "policy 'blocks:' needs an argument after ':'."),
+        ("every", "policy 'every' needs an argument after ':'."),
+        ("budget:", "policy 'budget:' needs an argument after ':'."),
+        ("all:3", "policy 'all:3': 'all' takes no argument."),
+        ("none:", "policy 'none:': 'none' takes no argument."),
+        ("offload:cpu", "policy 'offload:cpu': 'offload' takes no argument."),
+    ],
+)
+def test_missing_or_unexpected_arguments(text, message):
+    with pytest.raises(ValueError) as err:
+        parse_policy(text)
+    assert str(err.value) == f"{message} Valid policies: {GRAMMAR}."
+
+
+@pytest.mark.parametrize("value", [3, 2.0, True, b"all", ["all"], {"policy": "all"}, EveryPolicy])
+def test_non_string_policies_are_type_errors(value):
+    with pytest.raises(TypeError) as err:
+        parse_policy(value)
+    assert str(err.value) == (
+        f"policy={value!r} must be a string such as 'every:2' or a Policy; grammar: {GRAMMAR}."
+    )
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (lambda: EveryPolicy(0), ValueError, r"^every:N needs an integer ≥ 1, got 0"),
+        (lambda: EveryPolicy(True), ValueError, r"^every:N needs an integer ≥ 1, got True"),
+        (lambda: EveryPolicy(2.0), ValueError, r"^every:N needs an integer ≥ 1, got 2\.0"),
+        (lambda: FirstPolicy(-2), ValueError, r"^first:K needs an integer ≥ 0, got -2"),
+        (lambda: GroupPolicy("cube"), ValueError, r"^group:K needs an integer ≥ 1, got 'cube'"),
+        (
+            lambda: BlocksPolicy((-1,)),
+            ValueError,
+            r"^blocks: indices must be non-negative ints, got \(-1,\)\.$",
+        ),
+        (lambda: BlocksPolicy((1.0,)), ValueError, r"^blocks: indices must be non-negative ints"),
+        (lambda: SelectivePolicy(()), ValueError, r"^selective: needs at least one op name"),
+        (lambda: SelectivePolicy(("nope",)), ValueError, r"^selective: unknown op 'nope'"),
+        (lambda: BudgetPolicy(float("nan")), ValueError, r"^budget=nan is not a valid fraction"),
+        (lambda: BudgetPolicy(True), TypeError, r"^budget=True must be a size"),
+        (lambda: ModesPolicy(("on",)), ValueError, r"^unknown block modes \['on'\]"),
+    ],
+)
+def test_constructors_validate(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_blocks_policy_normalises_indices():
+    policy = BlocksPolicy([5, 1, 1, 3])
+    assert policy.indices == (1, 3, 5)
+    assert policy.spec == "blocks:1,3,5"
+    assert BlocksPolicy(range(4)).spec == "blocks:0-3"
+    assert BlocksPolicy((0, 1, 3, 4, 5, 8)).spec == "blocks:0-1,3-5,8"
+
+
+# --------------------------------------------------------------------------------------------- known issues
+
+
+def test_empty_blocks_policy_is_refused_or_round_trips():
+    try:
+        policy = BlocksPolicy(())
+    except ValueError:
+        return
+    assert parse_policy(policy.spec) == policy
+
+
+def test_negative_block_index_error_names_the_index():
+    with pytest.raises(ValueError, match=r"'-1'"):
+        parse_policy("blocks:-1")

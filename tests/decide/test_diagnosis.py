@@ -1,0 +1,62 @@
+import pytest
+import torch
+
+from lightning_ckpt.decide.diagnosis import PHASES, OutOfMemoryDiagnosis, PhaseTracker, diagnose, is_out_of_memory
+
+
+def test_tracker_walks_the_phases_and_knows_the_first_optimizer_step():
+    t = PhaseTracker()
+    seen = []
+    for _ in range(2):
+        t.batch_start()
+        seen.append(t.phase)
+        t.forward_start()
+        seen.append(t.phase)
+        t.forward_start()  # a second module's forward in the same step
+        seen.append(t.phase)
+        t.backward_start()
+        seen.append(t.phase)
+        t.optimizer_step_start()
+        seen.append(t.phase)
+        t.optimizer_step_end()
+    assert seen == ["before_forward", "forward", "forward", "backward", "first_optimizer_step"] + [
+        "before_forward", "forward", "forward", "backward", "optimizer_step"]
+    fresh = PhaseTracker()
+    fresh.load_state_dict(t.state_dict())
+    fresh.optimizer_step_start()
+    assert fresh.phase == "optimizer_step"
+
+
+@pytest.mark.parametrize(
+    "phase, words",
+    [
+        ("before_forward", "parameters, inputs, initialization"),
+        ("forward", "retained activations"),
+        ("backward", "replay transient"),
+        ("first_optimizer_step", "lazy optimizer-state allocation"),
+        ("optimizer_step", "fragmentation"),
+    ],
+)
+def test_each_phase_names_the_seed_suspect(phase, words):
+    text = diagnose(phase, {"params": 2.42, "optimizer": 9.69}, capacity=24 * 2**30)
+    assert words in text and phase.replace("_", " ") in text
+    assert "9.690 GiB" in text and "40.4%" in text
+
+
+def test_no_ledger_yet_and_bad_phase():
+    assert "No step was measured" in diagnose("forward")
+    with pytest.raises(ValueError, match="not one of"):
+        diagnose("warmup")
+    assert len(PHASES) == 5
+
+
+def test_diagnosis_is_an_oom_chained_to_the_original():
+    original = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        try:
+            raise original
+        except torch.OutOfMemoryError as e:
+            raise OutOfMemoryDiagnosis(diagnose("forward"), "forward") from e
+    assert err.value.__cause__ is original and err.value.phase == "forward"
+    assert is_out_of_memory(original) and not is_out_of_memory(ValueError("x"))
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate"))

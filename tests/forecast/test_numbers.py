@@ -1,0 +1,78 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_ckpt.cli.main import main
+from lightning_ckpt.forecast.numbers import ForecastInputs, forecast_from_numbers
+
+GiB, MiB = 2**30, 2**20
+SEED = ["plan", "--params", "1.3e9", "--param-dtype", "bf16", "--grad-dtype", "bf16", "--optimizer", "adam",
+        "--moment-dtype", "fp32", "--master-dtype", "fp32", "--layers", "24", "--hidden", "2048",
+        "--micro-batch", "2", "--seq-len", "2048", "--act-dtype", "bf16", "--capacity", "24GiB"]
+
+
+def _seed_plan(**kw):
+    inputs = ForecastInputs(params=1.3e9, master_dtype="fp32", micro_batch=2, capacity=24 * GiB, **kw)
+    return forecast_from_numbers(inputs)
+
+
+def test_reproduces_every_number_of_the_seed_example():
+    plan = _seed_plan(tensors_per_block=6)
+    assert round(plan.params / GiB, 2) == 2.42
+    assert round(plan.grads / GiB, 2) == 2.42
+    assert round(plan.optimizer / GiB, 2) == 9.69
+    assert round(plan.master / GiB, 2) == 4.84
+    assert round(plan.model_state / GiB, 1) == 19.4
+    assert (plan.params, plan.optimizer, plan.master) == (2_600_000_000, 10_400_000_000, 5_200_000_000)
+    assert plan.hidden_tensor == 16_777_216 == 16 * MiB
+    assert plan.boundary_all == 384 * MiB
+    assert plan.activations["none"] == 2304 * MiB  # 24 × 6 × 16 MiB = 2.25 GiB
+    assert plan.activations["all"] == 384 * MiB + 6 * 16 * MiB
+
+
+def test_which_line_crosses_capacity():
+    plan = _seed_plan()
+    assert plan.crosses["none"] == "activations" and plan.fits["none"] is False
+    assert plan.crosses["all"] is None and plan.fits["all"] is True
+    big = forecast_from_numbers(ForecastInputs(params=7e9, master_dtype="fp32", capacity=24 * GiB))
+    assert big.crosses["all"] == "gradients"  # 13.04 GiB of bf16 weights + 13.04 GiB of grads
+
+
+def test_cli_table_and_json(capsys):
+    assert main(SEED) == 0
+    out = capsys.readouterr().out
+    for text in ("2.42", "9.69", "4.84", "19.37", "16 MiB", "384 MiB", "activations line crosses 24 GiB"):
+        assert text in out
+    assert main(SEED + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("params", "grads", "optimizer", "master", "model_state", "capacity", "fits", "activations", "peak"):
+        assert key in data
+    assert data["params"] == 2_600_000_000 and data["capacity"] == 24 * GiB
+    assert set(data["activations"]) == {"none", "every:2", "group:sqrt", "all"}
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--capacity", "24 parsecs"], "unknown unit"),
+        (["--capacity", "24"], "needs a unit"),
+        (["--param-dtype", "fp13"], "not a known dtype"),
+        (["--optimizer", "adamq"], "not known"),
+        (["--policies", "selective"], "cannot be predicted from numbers"),
+        (["--layers", "0"], "positive"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, extra, words, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(SEED + extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and err[0].startswith("lightning-ckpt plan: error:")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_module_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "lightning_ckpt"] + SEED + ["--json"], capture_output=True,
+                         text=True, check=True).stdout
+    assert json.loads(out)["model_state"] == 20_800_000_000

@@ -1,0 +1,146 @@
+"""``lightning-ckpt plan --model``: fake-tensor tracing predicts the meter's activation peak and the exact
+model state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _independent import memtracker_act_peak
+
+from lightning_ckpt.cli.main import main
+from lightning_ckpt.core.wrap import apply_policy
+from lightning_ckpt.forecast.load import build_model, make_batch, make_optimizers, step_loss
+from lightning_ckpt.forecast.trace import forecast_model
+from lightning_ckpt.measure.ledger import model_state_bytes
+
+GiB, MiB = 2**30, 2**20
+POLICIES = ("none", "every:2", "all")
+# (label, target, init args): the demo GPT at a small size and a Hugging Face GPT-2 built from its config
+ARCHITECTURES = [
+    ("demo GPT", "lightning_ckpt.demos.factories:benchmark_gpt",
+     dict(n_layer=4, n_embd=64, n_head=4, vocab_size=96, block_size=64)),
+    ("HF GPT-2", "lightning_ckpt.demos.factories:gpt2_config", dict(n_layer=4, n_embd=64, n_head=4, n_positions=64)),
+]
+B, T = 2, 64
+TINY = "lightning_ckpt.demos.factories:tiny_gpt"
+
+
+def _measure(target, init_args):
+    """The activation peak of a real CPU step per policy by an independent tracker (PyTorch's MemTracker, not the
+    project's meter), and the real model state after a step."""
+    torch.manual_seed(0)
+    model = build_model(target, init_args)
+    model.train()
+    batch = make_batch(model, B, T)
+    plan = apply_policy(model, "none")
+    peaks, state = {}, None
+    for policy in POLICIES:
+        plan.retarget(policy)
+        model.zero_grad(set_to_none=True)
+        peaks[policy] = memtracker_act_peak(lambda: step_loss(model, batch).backward(),
+                                            external=(model, *batch.values()))
+        if state is None:
+            optimizers = make_optimizers(model)
+            for opt in optimizers:
+                opt.step()
+            state = model_state_bytes(model, optimizers)
+    return peaks, state
+
+
+@pytest.mark.parametrize("label, target, init_args", ARCHITECTURES, ids=[a[0] for a in ARCHITECTURES])
+def test_predicted_activation_peak_within_15_percent_and_model_state_exact(label, target, init_args):
+    predicted = forecast_model(target, init_args, micro_batch=B, seq_len=T, policies=POLICIES)
+    measured, state = _measure(target, init_args)
+    rows = []
+    for policy in POLICIES:
+        error = predicted.activations[policy] / measured[policy] - 1
+        rows.append(f"{label:<9} {policy:<8} predicted {predicted.activations[policy] / MiB:7.3f} MiB  measured "
+                    f"{measured[policy] / MiB:7.3f} MiB  error {error:+.2%}")
+    print("\n" + "\n".join(rows))
+    for policy in POLICIES:
+        assert abs(predicted.activations[policy] / measured[policy] - 1) <= 0.15, rows
+    assert predicted.activations["none"] > predicted.activations["every:2"] > predicted.activations["all"]
+    assert predicted.replay_interior["all"] > 0 and predicted.replay_interior["none"] == 0
+    assert (predicted.params, predicted.grads, predicted.optimizer + predicted.master) == \
+        (state.params, state.grads, state.optimizer)
+    assert predicted.model_state == state.params + state.grads + state.optimizer
+    assert all(predicted.peak[p] == predicted.model_state + predicted.activations[p] for p in POLICIES)
+
+
+def test_lightning_module_is_planned_with_its_training_step_and_optimizer():
+    small = dict(n_layer=2, n_embd=32, n_head=2, block_size=32)
+    via_module = forecast_model("lightning_ckpt.demos.lightning_gpt:GPTLightningModule", small, micro_batch=2,
+                                seq_len=32, policies=("none", "all"))
+    via_factory = forecast_model("lightning_ckpt.demos.factories:tiny_gpt", small, micro_batch=2, seq_len=32,
+                                 policies=("none", "all"))
+    assert via_module.activations == via_factory.activations
+    assert via_module.params == via_factory.params and via_module.optimizer == via_factory.optimizer
+
+
+def test_7b_model_plans_without_allocating_it(tmp_path):
+    """Llama-2-7B in fp32 is 25 GiB of parameters alone, more than this machine's memory; the plan only traces."""
+    args = ["plan", "--model", "lightning_ckpt.demos.factories:llama_7b_config", "--seq-len", "1024",
+            "--policies", "none,all", "--capacity", "80GiB", "--json"]
+    out_path = tmp_path / "plan.json"
+    with open(out_path, "w") as out, open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "lightning_ckpt", *args], stdout=out, stderr=err,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak resident memory
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
+    data = json.loads(out_path.read_text())
+    n = 6_738_415_616
+    assert data["params"] == 4 * n and data["grads"] == 4 * n  # fp32, exact
+    assert data["optimizer"] == 2 * 4 * n + 4 * 291  # AdamW: two fp32 moments + one fp32 step counter per tensor
+    assert data["params"] > 24 * GiB
+    assert data["activations"]["none"] > data["activations"]["all"] > 0
+    assert data["fits"] == {"none": False, "all": False} and data["capacity"] == 80 * GiB
+    peak_rss = usage.ru_maxrss * 1024  # KiB on Linux
+    print(f"\n7B plan: peak resident memory of the planning process {peak_rss / GiB:.2f} GiB, "
+          f"model state predicted {data['model_state'] / GiB:.1f} GiB")
+    assert peak_rss < 3 * GiB
+
+
+def test_json_schema_from_model(capsys):
+    args = ["plan", "--model", TINY, "--init-args", '{"n_layer": 2, "n_embd": 32}',
+            "--micro-batch", "2", "--seq-len", "32", "--policies", "none,selective,all", "--capacity", "1MiB",
+            "--json"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("params", "grads", "optimizer", "master", "model_state", "capacity", "fits", "activations", "peak"):
+        assert key in data
+    assert set(data["activations"]) == set(data["peak"]) == {"none", "selective", "all"}
+    assert data["master"] == 0 and data["capacity"] == MiB
+    assert data["model_state"] == data["params"] + data["grads"] + data["optimizer"] + data["master"]
+    assert main(args[:-1] + ["--master-dtype", "fp32"]) == 0  # a master copy is added on top of the optimizer's
+    table = capsys.readouterr().out
+    assert "master copy" in table and "blocks of Block" in table and "nothing allocated" in table
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--model", "no_such_pkg:factory"], "cannot import module 'no_such_pkg'"),
+        (["--model", "lightning_ckpt.demos.factories:no_such_factory"], "has no attribute 'no_such_factory'"),
+        (["--model", "lightning_ckpt.forecast.trace:DEFAULT_POLICIES"], "not a callable"),
+        (["--model", TINY, "--init-args", '{"n_lyr": 2}'], "rejected the init args"),
+        (["--model", TINY, "--layers", "4"], "only apply when planning from numbers"),
+        (["--model", TINY, "--params", "1e9"], "exactly one of"),
+        (["--model", TINY, "--capacity", "1 parsec"], "unknown unit"),
+        (["--model", TINY, "--param-dtype", "fp13"], "not a floating dtype"),
+        (["--model", TINY, "--optimizer", "lion"], "cannot be built with --model"),
+        ([], "exactly one of"),
+    ],
+)
+def test_bad_model_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys, extra, words):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", *extra]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lightning-ckpt plan: error:") and words in err[0], err
+    assert captured.out == "" and list(tmp_path.iterdir()) == []

@@ -1,0 +1,263 @@
+"""Diagnosis in a real Trainer: out-of-memory by phase, the ledger report, replay safety, verify=True."""
+
+import json
+
+import pytest
+import torch
+from _lightning_models import VOCAB, TinyTransformer, trainer_kwargs
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_ckpt import ActivationCheckpointing
+from lightning_ckpt.decide.diagnosis import OutOfMemoryDiagnosis
+
+OOM = "CUDA out of memory. Tried to allocate 4.00 GiB (injected)"
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError(OOM)
+
+
+class _OOMAdam(torch.optim.Adam):
+    def __init__(self, params, fail_at_step, **kw):
+        super().__init__(params, **kw)
+        self.fail_at_step, self.calls = fail_at_step, 0
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self.calls += 1
+        if self.calls == self.fail_at_step:
+            raise torch.OutOfMemoryError(OOM)
+        super().step()
+        return loss
+
+
+class PhaseModel(TinyTransformer):
+    """Raises an injected out-of-memory error in one phase of the third optimizer step (or the first)."""
+
+    def __init__(self, phase, at_step=2, **kw):
+        super().__init__(**kw)
+        self.phase, self.at_step = phase, at_step
+
+    def _armed(self):
+        return self.trainer.global_step == self.at_step
+
+    def training_step(self, batch, batch_idx):
+        if self.phase == "before_forward" and self._armed():
+            raise torch.OutOfMemoryError(OOM)
+        x, y = batch
+        h = self.embed(x)
+        for i, layer in enumerate(self.layers):
+            if self.phase == "forward" and self._armed() and i == 2:
+                raise torch.OutOfMemoryError(OOM)
+            h = layer(h)
+        if self.phase == "backward" and self._armed():
+            h = _RaiseInBackward.apply(h)
+        return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), y.reshape(-1))
+
+    def configure_optimizers(self):
+        fail = {"first_optimizer_step": 1, "optimizer_step": self.at_step + 1}.get(self.phase, -1)
+        return _OOMAdam(self.parameters(), fail, lr=1e-3)
+
+
+@pytest.mark.parametrize(
+    "phase, at_step, words",
+    [
+        ("before_forward", 2, "parameters, inputs, initialization"),
+        ("forward", 2, "retained activations"),
+        ("backward", 2, "replay transient"),
+        ("first_optimizer_step", 0, "lazy optimizer-state allocation"),
+        ("optimizer_step", 2, "fragmentation"),
+    ],
+)
+def test_out_of_memory_names_the_phase_with_the_last_ledger(tmp_path, phase, at_step, words):
+    seed_everything(0)
+    cb = ActivationCheckpointing(policy="every:2")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=5, log_every_n_steps=1, limit_val_batches=0,
+                                       num_sanity_val_steps=0, enable_checkpointing=True),
+                      callbacks=[cb, ckpt])
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        trainer.fit(PhaseModel(phase, at_step))
+    error = err.value
+    assert isinstance(error, OutOfMemoryDiagnosis) and error.phase == phase
+    assert f"during the {phase.replace('_', ' ')} phase" in str(error) and words in str(error)
+    assert isinstance(error.__cause__, torch.OutOfMemoryError) and "injected" in str(error.__cause__)
+    if at_step:
+        params = cb.last_metrics["memory/params_gib"]
+        assert f"{params:10.3f} GiB" in str(error)  # the ledger of the last logged step
+        saved = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+        assert len(saved) == at_step  # checkpoints written before the failure are intact and load
+        for path in saved:
+            torch.load(path, weights_only=True)
+    else:
+        assert "No step was measured" in str(error)
+
+
+class Embedder(TinyTransformer):
+    """A huge embedding and tiny activations: optimizer state dominates."""
+
+    def _build(self):
+        super()._build()
+        self.embed = nn.Embedding(200_000, self.hparams.d_model)
+
+
+def _fit_report(tmp_path, model, **cb_kw):
+    seed_everything(0)
+    cb = ActivationCheckpointing(**cb_kw)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=3, log_every_n_steps=1, limit_val_batches=0,
+                                       num_sanity_val_steps=0), callbacks=[cb])
+    trainer.fit(model)
+    return cb, cb.report(trainer), json.loads((tmp_path / "csv" / "version_0" / "lightning_ckpt_report.json")
+                                              .read_text())
+
+
+def test_optimizer_dominated_run_is_told_checkpointing_cannot_help(tmp_path):
+    cb, text, data = _fit_report(tmp_path, Embedder(), policy="none")
+    assert data["dominant"] == "optimizer"
+    assert "checkpointing cannot help" in text and "smaller state" in text
+    # Adam: two fp32 moments per parameter plus a step counter per tensor
+    assert data["lines"]["optimizer"]["bytes"] >= 2 * data["lines"]["params"]["bytes"]
+
+
+def test_activation_dominated_run_gets_a_policy_suggestion(tmp_path):
+    cb, text, data = _fit_report(tmp_path, TinyTransformer(batch_size=64, d_model=32), policy="none")
+    assert data["dominant"] == "activations"
+    assert "suggest policy 'every:2'" in text and "activation checkpointing" in text
+
+
+def test_batchnorm_in_a_checkpointed_block_warns_in_the_trainer(tmp_path):
+    class NormBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = nn.Linear(32, 32), nn.BatchNorm1d(32)
+
+        def forward(self, x):
+            return x + self.bn(self.lin(x).transpose(1, 2)).transpose(1, 2)
+
+    class NormModel(TinyTransformer):
+        def _build(self):
+            super()._build()
+            self.layers = nn.ModuleList(NormBlock() for _ in range(3))
+
+    with pytest.warns(UserWarning, match=r"layers.0.bn"):
+        Trainer(**trainer_kwargs(tmp_path, max_steps=1), callbacks=[ActivationCheckpointing()]).fit(NormModel())
+    cb = ActivationCheckpointing(stateful="skip")
+    Trainer(**trainer_kwargs(tmp_path / "skip", max_steps=1), callbacks=[cb]).fit(NormModel())
+    assert cb.plan.modes == ("off", "off", "off")
+
+
+def test_verify_passes_on_a_correct_model_and_raises_on_a_mutable_block(tmp_path):
+    cb = ActivationCheckpointing(policy="all", verify=True)
+    Trainer(**trainer_kwargs(tmp_path, max_steps=2), callbacks=[cb]).fit(TinyTransformer(dropout=0.1))
+    assert cb._engine._verified
+
+    from lightning_ckpt.decide.verify import EquivalenceError
+
+    with pytest.raises(EquivalenceError, match="not replay-safe"):
+        Trainer(**trainer_kwargs(tmp_path / "bad", max_steps=2),
+                callbacks=[ActivationCheckpointing(policy="all", verify=True)]).fit(MutableCounterModel())
+
+
+class CounterBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.count = 0
+
+    def forward(self, x):
+        self.count += 1  # replay sees a different count: not a pure function
+        return x + torch.tanh(self.lin(x)) * self.count
+
+
+class MutableCounterModel(TinyTransformer):
+    def _build(self):
+        super()._build()
+        self.layers = nn.ModuleList(CounterBlock() for _ in range(3))
+
+
+class ShapeShifter(nn.Module):
+    """Draws a data-dependent shape from mutable state: the replay saves a tensor of another shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        rows = x[:, : x.shape[1] - (self.calls % 2)]
+        return x + torch.tanh(self.lin(rows)).mean(1, keepdim=True)
+
+
+class ShapeModel(TinyTransformer):
+    def _build(self):
+        super()._build()
+        self.layers[2] = ShapeShifter()
+
+
+def test_determinism_check_failure_names_the_block(tmp_path):
+    from torch.utils.checkpoint import CheckpointError
+
+    cb = ActivationCheckpointing(policy="all", blocks=["layers.0", "layers.1", "layers.2", "layers.3"])
+    with pytest.raises(CheckpointError, match=r"block 'layers.2' computed something different") as err:
+        Trainer(**trainer_kwargs(tmp_path, max_steps=2), callbacks=[cb]).fit(ShapeModel())
+    assert isinstance(err.value.__cause__, CheckpointError) and "pure function" in str(err.value)
+
+
+def test_length_reading_separates_linear_from_quadratic_growth():
+    from lightning_ckpt.decide.report import length_reading, loglog_slope
+
+    assert loglog_slope([1, 2, 4], [3, 6, 12]) == pytest.approx(1.0)
+    assert loglog_slope([1], [1]) is None
+    quadratic = length_reading([(64, 64**2 * 10.0), (128, 128**2 * 10.0), (256, 256**2 * 10.0)])
+    assert "square of sequence length" in quadratic and "fused attention" in quadratic
+    assert "linearly" in length_reading([(64, 640.0), (128, 1280.0)])
+    assert length_reading([(64, 1.0)]) is None
+
+
+class EagerAttention(nn.Module):
+    """Materializes the T × T attention matrix (softmax output saved for backward)."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
+        return x + self.out((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class VariableLength(TinyTransformer):
+    def _build(self):
+        super()._build()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList(EagerAttention() for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        batches = []
+        for t in (64, 128, 256, 64, 128, 256):
+            x = torch.randint(0, VOCAB, (2, t), generator=g)
+            batches.append((x, (x + 1) % VOCAB))
+        return torch.utils.data.DataLoader(batches, batch_size=None)  # pre-batched: one length per step
+
+
+def test_report_reads_quadratic_growth_from_steps_of_different_lengths(tmp_path):
+    seed_everything(0)
+    cb = ActivationCheckpointing(policy="none")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=6, log_every_n_steps=1, limit_val_batches=0,
+                                       num_sanity_val_steps=0), callbacks=[cb])
+    trainer.fit(VariableLength())
+    assert sorted(cb._engine._by_length) == [64, 128, 256]
+    assert "square of sequence length" in cb.report(trainer)

@@ -1,0 +1,183 @@
+"""Two-process DDP on CPU (gloo, spawn) with both doors, and FSDP (mocked on CPU, real on CUDA)."""
+
+from __future__ import annotations
+
+import sys
+from unittest import mock
+
+import pytest
+import torch
+from _lightning_models import (
+    CallRecorder,
+    CleanDistributedExit,
+    CountingBlock,
+    DumpState,
+    TinyTransformer,
+    params_of,
+    trainer_kwargs,
+)
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from lightning_ckpt.core.wrap import get_plan
+from lightning_ckpt.lightning.callback import ActivationCheckpointing
+from lightning_ckpt.lightning.strategy import FSDPActivationCheckpointingStrategy
+
+needs_spawn = pytest.mark.skipif(
+    sys.platform == "win32", reason="gloo ddp_spawn on CPU is not tested on Windows"
+)
+
+_STEPS = 3
+_PER_RANK_BATCH = 4
+
+
+def _model(**kwargs) -> TinyTransformer:
+    seed_everything(0)
+    return TinyTransformer(optimizer="sgd", lr=0.1, n_samples=32, **kwargs)
+
+
+def _single_process_reference(tmp_path, **model_kwargs) -> dict:
+    """The same global batch (2 × per-rank batch) in one process, without any checkpointing."""
+    model = _model(batch_size=2 * _PER_RANK_BATCH, **model_kwargs)
+    Trainer(
+        **trainer_kwargs(tmp_path / "ref", max_steps=_STEPS, limit_val_batches=0, num_sanity_val_steps=0)
+    ).fit(model)
+    return params_of(model)
+
+
+def _ranks(out_dir) -> list:
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def _spawn_fit(tmp_path, strategy, callbacks=(), **model_kwargs) -> list:
+    out = tmp_path / "ranks"
+    out.mkdir()
+    trainer = Trainer(
+        callbacks=[*callbacks, DumpState(str(out)), CleanDistributedExit()],
+        **trainer_kwargs(
+            tmp_path,
+            devices=2,
+            strategy=strategy,
+            max_steps=_STEPS,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,
+        ),
+    )
+    trainer.fit(_model(batch_size=_PER_RANK_BATCH, **model_kwargs))
+    return _ranks(out)
+
+
+def _check_ranks(ranks, reference, modes, calls) -> None:
+    r0, r1 = ranks
+    assert r0["world_size"] == r1["world_size"] == 2
+    torch.testing.assert_close(r0["params"], r1["params"], rtol=0, atol=0)  # identical across ranks
+    torch.testing.assert_close(
+        r0["params"], reference, rtol=1e-5, atol=1e-6
+    )  # = one process, same global batch
+    for r in ranks:
+        assert r["plan"]["modes"] == modes
+        assert r["calls"] == [calls] * _STEPS
+
+
+@pytest.mark.slow
+@needs_spawn
+def test_ddp_spawn_ac_two_processes_match_single_process(tmp_path):
+    ranks = _spawn_fit(tmp_path, "ddp_spawn_ac")
+    assert ranks[0]["strategy"] == "DDPActivationCheckpointingStrategy"
+    _check_ranks(ranks, _single_process_reference(tmp_path), ["recompute"] * 4, [2, 2, 2, 2])
+
+
+@pytest.mark.slow
+@needs_spawn
+def test_callback_under_ddp_spawn_with_unused_parameters(tmp_path):
+    strategy = DDPStrategy(start_method="spawn", find_unused_parameters=True)
+    ranks = _spawn_fit(tmp_path, strategy, [ActivationCheckpointing(policy="every:2")], unused_param=True)
+    assert ranks[0]["strategy"] == "DDPStrategy"
+    reference = _single_process_reference(tmp_path, unused_param=True)
+    _check_ranks(ranks, reference, ["recompute", "off", "recompute", "off"], [2, 1, 2, 1])
+
+
+# ------------------------------------------------------------------------------------------------------ FSDP
+
+
+class _FakeFSDP(nn.Module):
+    """Stands in for FullyShardedDataParallel on CPU; records what it was asked to wrap."""
+
+    calls: list = []
+
+    def __init__(self, module, **kwargs) -> None:
+        super().__init__()
+        self.module = module
+        _FakeFSDP.calls.append({"plan": get_plan(module), "kwargs": kwargs})
+
+
+def _setup_fsdp_on_cpu(strategy, model) -> None:
+    """Run ``strategy.setup`` for fitting with FSDP mocked, as Lightning's own FSDP tests do on CPU."""
+    _FakeFSDP.calls = []
+    strategy._parallel_devices = [torch.device("cpu")]
+    strategy.accelerator = mock.Mock()
+    strategy.connect(model)
+    trainer = mock.Mock(callbacks=[strategy.checkpointing], strategy=strategy, lightning_module=model,
+                        state=mock.Mock(fn=TrainerFn.FITTING))
+    strategy.checkpointing.setup(trainer, model, "fit")  # what the Trainer calls before strategy.setup
+    with (
+        mock.patch("torch.distributed.fsdp.FullyShardedDataParallel", _FakeFSDP),
+        mock.patch.object(strategy, "setup_optimizers"),
+    ):
+        strategy.setup(trainer)
+
+
+def test_fsdp_ac_applies_the_plan_before_fsdp_wraps_the_model():
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    strategy = FSDPActivationCheckpointingStrategy(policy="every:2")
+    model = TinyTransformer()
+    _setup_fsdp_on_cpu(strategy, model)
+    (call,) = _FakeFSDP.calls
+    assert call["plan"] is not None and call["plan"] is strategy.plan  # applied before the wrapping
+    assert call["plan"].modes == ("recompute", "off", "recompute", "off")
+    policy = call["kwargs"]["auto_wrap_policy"]  # each block is its own FSDP unit by default
+    assert isinstance(policy, ModuleWrapPolicy) and policy._module_classes == {CountingBlock}
+    assert isinstance(strategy.model, _FakeFSDP)
+    assert strategy.restore_checkpoint_after_setup  # so the saved plan is re-applied in load_checkpoint
+
+
+def test_fsdp_ac_keeps_a_user_auto_wrap_policy_and_refuses_lightning_checkpointing():
+    strategy = FSDPActivationCheckpointingStrategy(auto_wrap_policy={nn.Linear})
+    _setup_fsdp_on_cpu(strategy, TinyTransformer())
+    assert _FakeFSDP.calls[0]["kwargs"]["auto_wrap_policy"]._module_classes == {nn.Linear}
+    with pytest.raises(RuntimeError, match="activation_checkpointing_policy.*recomputed twice"):
+        FSDPActivationCheckpointingStrategy(activation_checkpointing_policy={CountingBlock})
+
+
+def test_fsdp_ac_on_cpu_gets_lightnings_gpu_error():
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        Trainer(accelerator="cpu", strategy="fsdp_ac")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp_ac_trains_on_cuda(tmp_path):
+    model, rec = TinyTransformer(), CallRecorder()
+    trainer = Trainer(
+        callbacks=[rec],
+        **trainer_kwargs(
+            tmp_path,
+            accelerator="cuda",
+            devices=1,
+            strategy="fsdp_ac",
+            max_steps=3,
+            limit_val_batches=1,
+            val_check_interval=2,
+        ),
+    )
+    before = params_of(model)
+    trainer.fit(model)
+    assert trainer.strategy.plan.num_checkpointed == 4
+    assert rec.records["train"] == [[2, 2, 2, 2]] * 3
+    assert rec.records["val"] and all(r == [1, 1, 1, 1] for r in rec.records["val"])
+    after = trainer.strategy.lightning_module_state_dict()
+    assert set(after) == set(before) and any(not torch.equal(before[k], after[k].cpu()) for k in before)
