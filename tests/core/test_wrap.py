@@ -481,6 +481,24 @@ def test_hf_gpt2_use_cache_forced_off_once_and_grads_equal():
         assert torch.equal(p.grad, q.grad), n
 
 
+def test_remove_checkpointing_gives_use_cache_back(tmp_path):
+    model = _tiny_gpt2()
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        plan = apply_policy(model, "all")
+    plan.retarget("none")
+    plan.retarget("every:2")  # switched off once, remembered once
+    assert model.config.use_cache is False
+    remove_checkpointing(model)
+    assert model.config.use_cache is True
+    model.save_pretrained(tmp_path)  # what a user saves after training says what they had
+    assert '"use_cache": true' in (tmp_path / "config.json").read_text()
+    off = _tiny_gpt2()
+    off.config.use_cache = False  # the user's own choice is left alone
+    apply_policy(off, "all")
+    remove_checkpointing(off)
+    assert off.config.use_cache is False
+
+
 class NonDeterministicBlock(nn.Module):
     def __init__(self):
         super().__init__()

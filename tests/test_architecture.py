@@ -1,0 +1,172 @@
+"""The package's shape: layers that import only downwards, a core that runs without Lightning, a small public API,
+old names that still import (with a warning), strategies registered whichever is imported first."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import lightning_ckpt
+
+PACKAGE = Path(lightning_ckpt.__file__).parent
+LAYERS = ("core", "measure", "decide", "forecast", "lightning")  # data flows from left to right
+# beside the layers: the command line reads the forecast layer; the demos are example models (Lightning too)
+SIDE = {"cli": LAYERS.index("forecast"), "demos": len(LAYERS)}
+
+
+def _rank(module: str) -> int:
+    part = module.split(".")[1] if module.count(".") >= 1 else ""
+    if part in LAYERS:
+        return LAYERS.index(part)
+    return SIDE.get(part, -1)  # lightning_ckpt itself, _deprecation: infrastructure
+
+
+def _imports(path: Path):
+    """Every module ``path`` imports, at any depth (function-level imports included)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        yield name, path
+
+
+def test_every_module_lives_in_a_layer_and_imports_only_downwards():
+    offenders = []
+    for name, path in _modules():
+        rank = _rank(name)
+        if name in ("lightning_ckpt", "lightning_ckpt.__main__", "lightning_ckpt._deprecation"):
+            continue
+        assert rank >= 0, f"{name} is in no layer: put it in one of {LAYERS} (or cli/demos)"
+        for imported in _imports(path):
+            if imported.startswith("lightning_ckpt.") and _rank(imported) > rank:
+                offenders.append(f"{name} imports {imported} (a higher layer)")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_only_the_lightning_layer_and_the_demos_import_lightning():
+    offenders = [f"{name} imports {imported}" for name, path in _modules() for imported in _imports(path)
+                 if imported.split(".")[0] in ("lightning", "pytorch_lightning")
+                 and _rank(name) not in (LAYERS.index("lightning"), SIDE["demos"])]
+    assert not offenders, "\n".join(offenders)
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_the_core_layers_import_and_run_with_lightning_blocked():
+    code = """
+import sys
+sys.modules["lightning"] = None          # any import of Lightning now raises ImportError
+sys.modules["pytorch_lightning"] = None
+import torch
+import lightning_ckpt
+from lightning_ckpt import apply_policy, parse_policy, find_blocks, StepMeter
+import lightning_ckpt.decide.budget, lightning_ckpt.decide.controller, lightning_ckpt.decide.verify
+import lightning_ckpt.forecast.trace, lightning_ckpt.forecast.profile, lightning_ckpt.cli.main
+from lightning_ckpt.demos.gpt import GPT, GPTConfig
+model = GPT(GPTConfig.tiny())
+plan = apply_policy(model, "every:2")
+meter = StepMeter("cpu", model=model)
+idx = torch.randint(0, 96, (2, 16))
+with meter.step() as box:
+    model(idx, idx)[1].backward()
+assert box.reading.activations > 0 and plan.num_checkpointed == 2
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning")
+                and sys.modules[m] is not None)
+assert not loaded, loaded
+print("ok")
+"""
+    proc = _run(code)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("order", ["lightning_ckpt first", "lightning first"])
+def test_importing_the_package_registers_the_strategies_in_either_order(order):
+    first, second = ("import lightning_ckpt", "import lightning") if order == "lightning_ckpt first" else (
+        "import lightning.pytorch", "import lightning_ckpt")
+    code = f"""
+{first}
+{second}
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning_ckpt import DDPActivationCheckpointingStrategy
+assert StrategyRegistry["ddp_ac"]["strategy"] is DDPActivationCheckpointingStrategy
+assert all(n in StrategyRegistry for n in ("single_device_ac", "ddp_spawn_ac", "ddp_fork_ac", "fsdp_ac"))
+print("ok")
+"""
+    proc = _run(code)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_the_public_api_is_small_sorted_and_complete():
+    names = lightning_ckpt.__all__
+    assert names == sorted(names) and 12 <= len(names) <= 20, names
+    for name in names:
+        assert getattr(lightning_ckpt, name) is not None
+    for error in ("ForeignCheckpointingError", "ReplaySafetyError", "EquivalenceError", "OutOfMemoryDiagnosis"):
+        assert issubclass(getattr(lightning_ckpt, error), Exception)
+    for internal in ("Controller", "preflight", "count_tokens", "format_bytes", "plan_model"):
+        assert internal not in names
+
+
+def test_every_module_declares_a_sorted_all():
+    missing = []
+    for name, path in _modules():
+        tree = ast.parse(path.read_text())
+        assigned = [n for n in tree.body if isinstance(n, ast.Assign)
+                    and any(getattr(t, "id", None) == "__all__" for t in n.targets)]
+        if not assigned and name not in ("lightning_ckpt.__main__",) and not name.endswith("__init__") \
+                and path.name != "__init__.py":
+            missing.append(name)
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("old, new", [
+    ("plan_model", "forecast_model"),
+    ("plan_from_numbers", "forecast_from_numbers"),
+    ("Controller", "Controller"),
+    ("count_tokens", "count_tokens"),
+])
+def test_old_top_level_names_still_import_with_a_deprecation_warning(old, new):
+    with pytest.warns(DeprecationWarning, match=rf"lightning_ckpt\.{old} is deprecated.*{new}"):
+        obj = getattr(lightning_ckpt, old)
+    assert obj.__name__ == new
+
+
+def test_old_module_paths_still_import_with_a_deprecation_warning():
+    code = """
+import warnings
+warnings.simplefilter("error", DeprecationWarning)
+try:
+    import lightning_ckpt.wrap
+except DeprecationWarning as w:
+    assert "lightning_ckpt.core.wrap" in str(w), w
+else:
+    raise AssertionError("no warning")
+warnings.simplefilter("ignore", DeprecationWarning)
+from lightning_ckpt.trace import plan_model, llama_7b_config
+from lightning_ckpt.forecast.trace import forecast_model
+from lightning_ckpt.core.wrap import apply_policy
+import lightning_ckpt.wrap as old
+assert plan_model is forecast_model and old.apply_policy is apply_policy
+print("ok")
+"""
+    proc = _run(code)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_an_unknown_top_level_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nope'"), warnings.catch_warnings():
+        lightning_ckpt.nope  # noqa: B018
