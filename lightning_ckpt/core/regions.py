@@ -185,3 +185,9 @@ class GroupRegion:
                 del hooks[key]
 
 
+
+
+
+# A region spans several calls of the parent's forward, which torch.compile cannot trace as one graph: under
+# compile the region and its blocks run eagerly (dynamo breaks the graph at each block call of the region).
+GroupRegion.call = torch._dynamo.disable(GroupRegion.call)

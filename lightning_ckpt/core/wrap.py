@@ -80,30 +80,22 @@ class _Shared:
         self.set_save_ops(())
 
     def set_save_ops(self, names: Sequence[str]) -> None:
-        self.save_ops = frozenset(getattr(torch.ops.aten, n) for n in names)
-        self._selective = functools.partial(_cp.create_selective_checkpoint_contexts, self._save_or_recompute)
-
-    def _save_or_recompute(self, ctx, op, *args, **kwargs):
-        # packets, so every overload of a listed op (mm.default, mm.out, ...) is kept
-        if getattr(op, "overloadpacket", op) in self.save_ops:
-            return _cp.CheckpointPolicy.MUST_SAVE
-        return _cp.CheckpointPolicy.PREFER_RECOMPUTE
-
-    def context_fn(self, mode: str):
-        return self._selective if mode == "selective" else _cp.noop_context_fn
+        packets = [getattr(torch.ops.aten, n) for n in names]
+        self.save_ops = frozenset(packets)
+        # every overload of a listed op (mm.default, mm.out, ...), as a list: torch.compile traces a
+        # functools.partial over constants, not a bound method
+        overloads = [getattr(p, name) for p in packets for name in p.overloads()]
+        self._selective = functools.partial(_cp.create_selective_checkpoint_contexts, overloads)
 
     def checkpoint_kwargs(self, mode: str) -> Dict[str, Any]:
         o = self.options
-        kwargs = dict(
-            use_reentrant=False,
-            preserve_rng_state=o.preserve_rng_state,
-            determinism_check=o.determinism_check,
-            debug=o.debug,
-            context_fn=self.context_fn(mode),
-        )
-        if mode == "selective" and _SAC_RESPECTS_HOOKS:
-            # tensors SAC keeps then pass through outer saved-tensor hooks (offload, the activation meter)
-            kwargs["respect_saved_tensors_hooks"] = True
+        kwargs: Dict[str, Any] = dict(use_reentrant=False, preserve_rng_state=o.preserve_rng_state,
+                                      determinism_check=o.determinism_check, debug=o.debug)
+        if mode == "selective":  # context_fn only where a mode needs it: torch.compile refuses any other callable
+            kwargs["context_fn"] = self._selective
+            if _SAC_RESPECTS_HOOKS:
+                # tensors SAC keeps then pass through outer saved-tensor hooks (offload, the activation meter)
+                kwargs["respect_saved_tensors_hooks"] = True
         return kwargs
 
 
@@ -142,15 +134,33 @@ class _BlockForward:
         if self.region is not None:
             return self.region.call(self, args, kwargs)
         if mode == "offload":
-            with _OffloadToHost():
+            if _on_cpu(args, kwargs):  # already in host memory: nothing to move, no hooks to pay for
                 return self.run(*args, **kwargs)
-        fn = observed(self, self.run) if replay_hooks_active() else self.run
+            return self._offloaded(args, kwargs)
+        # replays are observable in eager only: compiled backward recomputes inside the graph, and the hook's
+        # bookkeeping would break the graph
+        # (is_compiling() first: dynamo folds it to True and never reads the hook list, so no guard on it)
+        fn = observed(self, self.run) if not torch.compiler.is_compiling() and replay_hooks_active() else self.run
         if _RESERVED_KWARGS.intersection(kwargs):
             return _cp.checkpoint(lambda *a: fn(*a, **kwargs), *args, **self.shared.checkpoint_kwargs(mode))
         return _cp.checkpoint(fn, *args, **self.shared.checkpoint_kwargs(mode), **kwargs)
 
+    # saved-tensor hooks cannot live inside a compiled graph: under torch.compile an offloaded block runs eagerly
+    @torch._dynamo.disable
+    def _offloaded(self, args, kwargs):
+        with _OffloadToHost():
+            return self.run(*args, **kwargs)
+
     def __repr__(self) -> str:
         return f"<lightning_ckpt forward of {self.name} mode={self.mode}>"
+
+
+def _on_cpu(args, kwargs) -> bool:
+    """Whether the block's first tensor input lives on the CPU (the block then saves CPU tensors)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type == "cpu"
+    return False
 
 
 class _OffloadToHost(torch.autograd.graph.saved_tensors_hooks):

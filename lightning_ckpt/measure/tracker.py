@@ -219,3 +219,21 @@ def exit_saved_hooks(saved: SavedBytes) -> None:
         return
     saved.hooks.__exit__(None, None, None)
 
+
+def _never_compiled() -> None:
+    """The hooks run for every saved tensor and every operator, always eagerly. When ``torch.compile`` falls back
+    to eager around a graph break, dynamo would try to compile every Python frame it meets, these included (and
+    fail on their weak references and symbolic sizes); their code is marked to be skipped (no cost per call)."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return
+    for cls in (SavedBytes, LiveBytes):
+        for fn in vars(cls).values():
+            if callable(fn) and hasattr(fn, "__code__"):
+                skip_code(fn.__code__)
+    for fn in (storage_key, storages):
+        skip_code(fn.__code__)
+
+
+_never_compiled()
