@@ -39,6 +39,7 @@ MEMORY_LINES = (
     ("grads", "grads", "#ff7f0e", "--"),  # dashed: without freezing, grads lie exactly on params
     ("optimizer", "optimizer", "#2ca02c", "-"),
     ("activations", "activations", "#d62728", "-"),
+    ("autocast_copies", "autocast copies", "#e377c2", "-."),
     ("other", "other", "#9467bd", ":"),
     ("cache", "allocator cache", "#8c564b", ":"),
 )

@@ -14,9 +14,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from lightning_ckpt.core.units import GiB
 from lightning_ckpt.measure.ledger import Ledger
 
-__all__ = ["ledger_report", "length_reading", "loglog_slope", "report_text", "suggest_policy"]
+__all__ = ["copies_advice", "ledger_report", "length_reading", "loglog_slope", "report_text", "suggest_policy"]
 
 _FRAGMENTATION_SHARE = 0.25  # reserved − allocated above this share of reserved reads as fragmentation
+_COPIES_SHARE = 0.25  # autocast copies above this share of the activation line are worth a sentence
 
 
 def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
@@ -61,6 +62,19 @@ def suggest_policy(current: str, ladder: Sequence[str], all_checkpointed: bool =
     return "offload" if current != "offload" else "a smaller micro-batch with gradient accumulation"
 
 
+def copies_advice(ledger: Ledger) -> Optional[str]:
+    """What to do when autocast's weight copies are large next to the activations (``None`` when they are not)."""
+    copies, act = ledger.autocast_copies or 0, ledger.activations or 0
+    if not copies or copies < _COPIES_SHARE * act:
+        return None
+    share = f"{copies / act:.0%} of" if act else "more than"
+    return (f"Autocast's low-precision copies of the weights peak at {copies / GiB:.3f} GiB ({share} the activation "
+            "line): checkpointing cannot remove them. Training in bf16-true, or FSDP mixed precision with bf16 "
+            f"parameters, makes no copies (saves up to {copies / GiB:.3f} GiB); with autocast's weight cache off "
+            "(Lightning's bf16-mixed) only the copies saved for backward stay alive, and checkpointing does shrink "
+            "those.")
+
+
 def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: Optional[Dict[str, Any]] = None,
                   all_checkpointed: bool = False) -> Dict[str, Any]:
     """A JSON-able report: lines (bytes and GiB), shares of capacity, the dominant line and the advice."""
@@ -76,6 +90,9 @@ def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: O
             f"Reserved exceeds allocated by {ledger.cache / GiB:.2f} GiB: that is the allocator's cache and "
             "fragmentation, not live tensors; calling empty_cache() changes the display, not the workload."
         )
+    copies = copies_advice(ledger)
+    if copies:
+        advice.append(copies)
     quadratic = (history or {}).get("activations_vs_seq_len")
     if quadratic:
         advice.append(quadratic)

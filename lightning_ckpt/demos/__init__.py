@@ -11,7 +11,7 @@ from typing import Any
 
 _WHERE = {
     "GPT": "gpt", "MLP": "gpt", "Block": "gpt", "CausalSelfAttention": "gpt", "GPTConfig": "gpt",
-    "HFCausalLMModule": "hf", "tiny_gpt2": "hf",
+    "HFCausalLMModule": "hf", "tiny_gpt2": "hf", "tiny_llama": "hf",
     "DEFAULT_TEXT": "lightning_gpt", "CausalLMMixin": "lightning_gpt", "CharDataModule": "lightning_gpt",
     "CharTokenizer": "lightning_gpt", "CharWindows": "lightning_gpt", "GPTLightningModule": "lightning_gpt",
     "benchmark_gpt": "factories", "tiny_gpt": "factories", "gpt2_config": "factories",

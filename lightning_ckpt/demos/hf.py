@@ -19,7 +19,7 @@ from lightning_ckpt.demos.lightning_gpt import CausalLMMixin
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import GPT2LMHeadModel
 
-__all__ = ["HFCausalLMModule", "tiny_gpt2"]
+__all__ = ["HFCausalLMModule", "tiny_gpt2", "tiny_llama"]
 
 
 def tiny_gpt2(
@@ -73,6 +73,21 @@ def tiny_gpt2(
     return model
 
 
+def tiny_llama(n_layer: int = 4, n_embd: int = 64, n_head: int = 4, n_positions: int = 128, vocab_size: int = 96):
+    """A randomly initialised ``LlamaForCausalLM`` from a ``LlamaConfig`` (RMSNorm, SwiGLU MLP of width
+    ``8/3 × n_embd`` rounded to 32, rotary positions, ``sdpa`` attention); no network access, no dropout."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    intermediate = -(-8 * n_embd // 3 // 32) * 32
+    config = LlamaConfig(hidden_size=n_embd, intermediate_size=intermediate, num_hidden_layers=n_layer,
+                         num_attention_heads=n_head, num_key_value_heads=n_head, vocab_size=vocab_size,
+                         max_position_embeddings=n_positions, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                         use_cache=False)
+    model = LlamaForCausalLM(config)
+    model.train()
+    return model
+
+
 class HFCausalLMModule(CausalLMMixin, LightningModule):
     """A ``LightningModule`` around :func:`tiny_gpt2`, with the same batch format as the GPT demo.
 
@@ -86,7 +101,8 @@ class HFCausalLMModule(CausalLMMixin, LightningModule):
         n_head: Attention heads.
         n_positions: Context length.
         vocab_size: Token ids.
-        dropout: Dropout probability.
+        dropout: Dropout probability (GPT-2 only).
+        arch: ``"gpt2"`` (:func:`tiny_gpt2`) or ``"llama"`` (:func:`tiny_llama`).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay for matrices.
     """
@@ -101,17 +117,14 @@ class HFCausalLMModule(CausalLMMixin, LightningModule):
         dropout: float = 0.1,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
+        arch: str = "gpt2",
     ) -> None:
         super().__init__()
+        if arch not in ("gpt2", "llama"):
+            raise ValueError(f"arch={arch!r} is not a demo architecture; choose 'gpt2' or 'llama'.")
         self.save_hyperparameters()
-        self.model = tiny_gpt2(
-            n_layer=n_layer,
-            n_embd=n_embd,
-            n_head=n_head,
-            n_positions=n_positions,
-            vocab_size=vocab_size,
-            dropout=dropout,
-        )
+        shape = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions, vocab_size=vocab_size)
+        self.model = tiny_gpt2(dropout=dropout, **shape) if arch == "gpt2" else tiny_llama(**shape)
 
     @property
     def vocab_size(self) -> int:

@@ -19,6 +19,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Union
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.core.policy import Policy
 from lightning_ckpt.core.replay import register_replay_hook
@@ -199,10 +200,20 @@ class CheckpointingEngine:
             return
         if not self.monitor.in_step:
             self._batch_shape = (sequence_length(batch), count_samples(batch))
-            if self.calibration is not None and not self.calibration.done:
+            calibrating = self.calibration is not None and not self.calibration.done
+            if calibrating:
                 self.calibration.begin_step()
-            self.monitor.begin_step(measure=self._measuring_this_step(trainer))
+            # block hooks measure the calibration steps: compiled code runs eagerly for them
+            self.monitor.begin_step(measure=self._measuring_this_step(trainer), key=self._step_key(trainer, batch),
+                                    eager=calibrating)
         self.monitor.add_batch(batch)
+
+    def _step_key(self, trainer: "pl.Trainer", batch: Any) -> tuple:
+        """What determines a step's memory: the plan, the batch's shapes, the precision, the accumulation."""
+        plan = self.plan
+        layout = (plan.modes, plan.layout.groups, plan.layout.save_ops) if plan is not None else None
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
+        return layout, shapes, str(trainer.precision), trainer.accumulate_grad_batches
 
     def _measuring_this_step(self, trainer: "pl.Trainer") -> bool:
         wanted = self.settings.measure and trainer._logger_connector.should_update_logs

@@ -20,7 +20,8 @@ def tensorboard_layout(prefix: str) -> Dict[str, Dict[str, List[Any]]]:
     """The custom-scalars layout: the ledger lines in one "Memory" chart beside "Throughput" and "Checkpointing"."""
     root = f"{prefix}/" if prefix else ""
     memory = [f"{root}memory/{k}_gib" for k in
-              ("peak_allocated", "peak_reserved", "activations", "params", "grads", "optimizer", "other", "cache")]
+              ("peak_allocated", "peak_reserved", "activations", "autocast_copies", "params", "grads", "optimizer",
+               "other", "cache")]
     return {
         "Memory": {"ledger (GiB)": ["Multiline", memory]},
         "Throughput": {"tokens/s": ["Multiline", [f"{root}throughput/tokens_per_sec"]],

@@ -1,5 +1,5 @@
-"""The memory ledger of a training step: which line (parameters, gradients, optimizer state, activations, other,
-allocator cache) holds the memory, and which one dominates. Pure torch (no Lightning).
+"""The memory ledger of a training step: which line (parameters, gradients, optimizer state, activations, autocast
+copies, other, allocator cache) holds the memory, and which one dominates. Pure torch (no Lightning).
 
 The model-state lines come from walking the real objects, not from formulas:
 
@@ -12,10 +12,13 @@ The model-state lines come from walking the real objects, not from formulas:
   is master copies: state entries whose key names a master/fp32 copy of the parameter (``master_param``,
   ``fp32_param``, ...), and optimizer parameters that are not parameters of the model.
 
-The step lines come from a :class:`~lightning_ckpt.measure.meter.StepReading`: ``activations`` (the activation peak),
-``peak_allocated``/``peak_reserved`` (CUDA only), and two derived lines on CUDA:
+The step lines come from a :class:`~lightning_ckpt.measure.meter.StepReading`: ``activations`` (the activation
+peak), ``autocast_copies`` (the low-precision copies of the weights autocast makes under mixed precision: held by
+autocast's cache until the forward's autocast region exits, or saved for backward; a 7B model's are ~13 GB that
+checkpointing cannot remove), ``peak_allocated``/``peak_reserved`` (CUDA only), and two derived lines on CUDA:
 
-- ``other = peak_allocated − params − grads − optimizer − activations``, floored at 0: kernel workspaces,
+- ``other = peak_allocated − params − grads − optimizer − activations − autocast_copies``, floored at 0: kernel
+  workspaces,
   activation gradients and other backward temporaries, the CUDA context's tensors, inputs. The lines above do
   not all peak at the same moment (gradients are often still absent when the activations peak), so the sum can
   exceed the peak; the floor then reports "nothing unexplained" rather than a negative amount.
@@ -45,7 +48,7 @@ from lightning_ckpt.measure.tracker import storage_key
 
 __all__ = ["LEDGER_LINES", "Ledger", "ModelState", "build_ledger", "model_state_bytes"]
 
-LEDGER_LINES = ("params", "grads", "optimizer", "activations", "other", "cache")
+LEDGER_LINES = ("params", "grads", "optimizer", "activations", "autocast_copies", "other", "cache")
 """The lines of the ledger, in the order they are printed and logged."""
 
 _MASTER_KEY = re.compile(r"master|fp32_?param|param_?fp32|full_precision|hp_param|high_precision", re.IGNORECASE)
@@ -216,6 +219,8 @@ class Ledger:
         optimizer_by_dtype: the optimizer line per dtype name.
         master: the part of ``optimizer`` that is master copies of the parameters.
         activations: the step's activation peak (see :mod:`lightning_ckpt.measure.meter`); ``None`` if not measured.
+        autocast_copies: peak bytes of the low-precision copies of parameters autocast made during the step (a
+            line of its own: checkpointing cannot remove it); ``None`` when not measured.
         peak_allocated, peak_reserved: allocator peaks of the step (CUDA only).
         other: ``peak_allocated`` minus the four lines above, floored at 0 (CUDA only).
         cache: ``peak_reserved − peak_allocated`` (CUDA only).
@@ -228,6 +233,7 @@ class Ledger:
     optimizer_by_dtype: Dict[str, int] = field(default_factory=dict)
     master: int = 0
     activations: Optional[int] = None
+    autocast_copies: Optional[int] = None
     peak_allocated: Optional[int] = None
     peak_reserved: Optional[int] = None
     other: Optional[int] = None
@@ -258,7 +264,8 @@ class Ledger:
     def as_metrics(self, prefix: str = "memory") -> Dict[str, float]:
         """GiB floats keyed ``{prefix}/params_gib`` ... ; unmeasured (``None``) lines are left out.
 
-        Keys: ``params_gib``, ``grads_gib``, ``optimizer_gib``, ``activations_gib``, ``peak_allocated_gib``,
+        Keys: ``params_gib``, ``grads_gib``, ``optimizer_gib``, ``activations_gib``, ``autocast_copies_gib``,
+        ``peak_allocated_gib``,
         ``peak_reserved_gib``, ``other_gib``, ``cache_gib``, and ``optimizer_master_gib`` (part of
         ``optimizer_gib``) only when master copies exist.
         """
@@ -267,6 +274,7 @@ class Ledger:
             "grads": self.grads,
             "optimizer": self.optimizer,
             "activations": self.activations,
+            "autocast_copies": self.autocast_copies,
             "peak_allocated": self.peak_allocated,
             "peak_reserved": self.peak_reserved,
             "other": self.other,
@@ -293,6 +301,9 @@ class Ledger:
                      "lower precision.",
             "optimizer": "checkpointing cannot help: use an optimizer with a smaller state (8-bit, factored), "
                          "shard or offload the state.",
+            "autocast_copies": "checkpointing cannot remove these low-precision copies of the weights: train in "
+                               "bf16-true, let FSDP's mixed precision hold bf16 parameters, or turn autocast's "
+                               "weight cache off.",
             "other": "checkpointing will not fix this: look for large workspaces, materialized attention "
                      "scores, or activation gradients (profile the peak).",
             "cache": "the allocator holds unused blocks: fragmentation; try "
@@ -330,11 +341,12 @@ def build_ledger(
     """
     state = model_state_bytes(model, optimizers, device=device)
     activations = reading.activations if reading is not None else None
+    copies = reading.autocast_copies if reading is not None else None
     peak_allocated = reading.peak_allocated if reading is not None else None
     peak_reserved = reading.peak_reserved if reading is not None else None
     other = cache = None
     if peak_allocated is not None and activations is not None:
-        other = max(0, peak_allocated - state.params - state.grads - state.optimizer - activations)
+        other = max(0, peak_allocated - state.params - state.grads - state.optimizer - activations - (copies or 0))
     if peak_allocated is not None and peak_reserved is not None:
         cache = peak_reserved - peak_allocated
     return Ledger(
@@ -344,6 +356,7 @@ def build_ledger(
         optimizer_by_dtype=dict(state.optimizer_by_dtype),
         master=state.master,
         activations=activations,
+        autocast_copies=copies,
         peak_allocated=peak_allocated,
         peak_reserved=peak_reserved,
         other=other,

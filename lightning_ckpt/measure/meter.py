@@ -29,18 +29,24 @@ under 1 % on a host-bound step, measure activations on logging steps only: ``sta
 installs nothing and still reads the allocator peaks.
 
 **Exact mode** (``exact=True``, meant for calibration steps) adds a ``TorchDispatchMode`` that follows every
-storage created by an operator (per-op Python work, several times slower) and reports ``activations_exact``:
-the peak of the live bytes created by forward operators and by replays in backward, excluding parameters,
-gradients, backward temporaries (activation gradients) and the optimizer step. That is what
-``torch.distributed._tools.mem_tracker.MemTracker`` calls ``ACT`` (outputs of the forward and of checkpoint
-recomputation), taken as the maximum of ``ACT`` over the step, except that MemTracker files replayed operators
-that run outside a submodule call (residual adds in a block body) under ``TEMP``; here they stay activations.
-In exact mode ``activations`` is the exact figure.
+storage created by an operator while grad mode is on (per-op Python work, several times slower): the forward, and
+the replays of checkpointed regions in backward (checkpoint replays with grad enabled; ordinary backward runs
+without). It reports ``activations_exact``, the peak of those live bytes, excluding parameters, gradients,
+backward temporaries (activation gradients) and the optimizer step (which runs under ``no_grad``), and
+``autocast_copies``, the peak of the low-precision copies of parameters autocast makes (``_to_copy`` of an
+``nn.Parameter``: held by autocast's cache until the autocast region exits, or saved for backward), which are not
+activations and are never inside ``activations``. That is what ``torch.distributed._tools.mem_tracker.MemTracker``
+calls ``ACT`` (outputs of the forward and of checkpoint recomputation), taken as the maximum of ``ACT`` over the
+step. In exact mode ``activations`` is the exact figure. Exact steps run with the compiler's stance set to
+``force_eager``: compiled regions run their Python, so replays and operators are seen.
 
-How the figures differ: the default counts what is *saved for backward*; the exact one counts every live
-forward-produced tensor, including short-lived temporaries, model outputs the caller still holds (logits) and
-the interior of a checkpointed block while its first forward runs. Both count raw ``numel × element_size``
-(no allocator rounding), so they agree across devices.
+**Reference steps** (``start_step(key=...)``): the first step of each key — the caller's description of what
+determines the step's memory: the plan, the batch shapes, the precision — is measured exactly; later steps of the
+same key are measured in the default mode and corrected by the difference the reference step saw between the two
+figures (temporaries that are live but not saved, such as the float32 upcast of the logits at the loss, and the
+autocast copies). So every step reports the exact figures at the default mode's cost, and the saved-tensor figure
+still follows any drift. A step whose replays were not seen (a ``torch.compile``d model replays inside the
+compiled backward, invisible to Python) reports its reference step's figures.
 
 Known limitations:
     - Tensors saved under another ``saved_tensors_hooks`` pushed inside the step (``offload`` blocks,
@@ -48,8 +54,10 @@ Known limitations:
       invisible to the outer hook and not counted; for offloaded tensors that is right on an accelerator
       (they live in host memory).
     - Replays of regions checkpointed by other code than :mod:`lightning_ckpt.core.wrap` (``torch.utils.checkpoint``
-      called by the model itself) are not reported, so their interior is missing from the default figure; use
-      exact mode there.
+      called by the model itself) are not reported, so their interior is missing from the default figure (exact
+      mode and reference steps count them).
+    - With ``create_graph=True`` (double backward), backward runs with grad enabled and exact mode counts its
+      temporaries as activations.
     - A block whose interior changes without its inputs' shapes changing (data-dependent routing) keeps its
       first calibration; call :meth:`StepMeter.forget_calibration` to re-measure.
 """
@@ -63,7 +71,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 import torch
-import torch.optim.optimizer as _optim
 from torch import nn
 
 from lightning_ckpt.core.replay import register_replay_hook
@@ -84,6 +91,9 @@ class StepReading:
             exact steps, the saved-tensor figure otherwise; ``None`` when activations were not measured.
         activations_estimate: the saved-tensor figure (also computed on exact steps, to compare).
         activations_exact: the live-tensor figure, only on exact steps.
+        autocast_copies: peak bytes of low-precision copies of parameters made by autocast, on exact steps and on
+            steps of a calibrated key (``None`` otherwise); never part of ``activations``.
+        reference: this step was the exact reference step of its key.
         peak_allocated: peak bytes allocated by the CUDA caching allocator during the step (``None`` off CUDA).
         peak_reserved: peak bytes reserved by the allocator (allocated plus its cache; ``None`` off CUDA).
         replays: checkpointed regions replayed in backward during the step.
@@ -100,6 +110,8 @@ class StepReading:
     replays: int = 0
     calibrations: int = 0
     wall_s: float = 0.0
+    autocast_copies: Optional[int] = None
+    reference: bool = False
 
     @property
     def exact(self) -> bool:
@@ -209,12 +221,13 @@ class StepMeter:
         if model is not None:
             self.watch(model)
         self._interiors: Dict[Tuple[Any, ...], int] = {}
+        self._references: Dict[Any, _Reference] = {}
         self._saved: Optional[SavedBytes] = None
         self._live: Optional[LiveBytes] = None
         self._replay_handle = None
-        self._opt_handles: Tuple[Any, ...] = ()
+        self._stance: Any = None
+        self._key: Any = None
         self._replay_depth = 0
-        self._in_optimizer = False
         self._open = False
         self._t0 = 0.0
         self._replays = 0
@@ -228,8 +241,13 @@ class StepMeter:
         return self
 
     def forget_calibration(self) -> None:
-        """Drop the measured replay interiors; the next replays are measured again."""
+        """Drop the measured replay interiors and reference steps; the next steps are measured again."""
         self._interiors.clear()
+        self._references.clear()
+
+    def has_reference(self, key: Any) -> bool:
+        """Whether a step with this key was measured exactly already (see the module docstring)."""
+        return key in self._references
 
     @property
     def calibrated_regions(self) -> int:
@@ -250,12 +268,16 @@ class StepMeter:
         return self._saved.live if self._saved is not None else None
 
     # -- the step
-    def start_step(self, exact: Optional[bool] = None, activations: bool = True) -> None:
+    def start_step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
+                   eager: bool = False) -> None:
         """Reset the allocator peaks (no sync) and start counting activations.
 
         Args:
             exact: this step is an exact (calibration) step; ``None`` uses the meter's ``exact``.
             activations: count activations this step (``False``: allocator counters only, no hooks at all).
+            key: a hashable description of what determines this step's memory (plan, batch shapes, precision);
+                the first step of a key is an exact reference step, later ones are corrected by it.
+            eager: run compiled code eagerly this step (exact steps always do), e.g. while block hooks measure.
         """
         if self._open:
             warnings.warn("lightning_ckpt: StepMeter.start_step() called while a step was open; the open step "
@@ -263,19 +285,20 @@ class StepMeter:
                           stacklevel=2)
             self.close()
         exact = self.exact if exact is None else exact
+        self._key = key if activations else None
+        exact = exact or (self._key is not None and self._key not in self._references)
         if _has_allocator_counters(self.device):
             torch.cuda.reset_peak_memory_stats(self.device)
         self._replays = self._calibrations = 0
         self._replay_depth = 0
-        self._in_optimizer = False
+        if exact or eager:
+            self._stance = _force_eager()
         if activations or exact:
             self._saved = SavedBytes(self.device, self._static)
             self._replay_handle = register_replay_hook(self._on_replay)
             self._saved.hooks.__enter__()
         if exact:
-            self._live = LiveBytes(self.device, gate=self._counts_as_activation)
-            self._opt_handles = (_optim.register_optimizer_step_pre_hook(self._optimizer_enters),
-                                 _optim.register_optimizer_step_post_hook(self._optimizer_leaves))
+            self._live = LiveBytes(self.device, gate=torch.is_grad_enabled)
             self._live.__enter__()
         self._open = True
         self._t0 = time.perf_counter()
@@ -293,8 +316,18 @@ class StepMeter:
             peak_allocated, peak_reserved = cuda_peaks(self.device)
         estimate = saved.peak if saved is not None else None
         exact = live.peak if live is not None else None
+        activations, copies = (exact, live.copies_peak) if live is not None else (estimate, None)
+        key, reference = self._key, False
+        if key is not None and exact is not None:
+            self._references[key] = _Reference(exact, live.copies_peak, exact - estimate, self._replays)
+            reference = True
+        elif key is not None and estimate is not None:
+            ref = self._references[key]
+            copies = ref.copies
+            # replays unseen (compiled backward): the saved-tensor figure lacks the transient; the reference has it
+            activations = ref.exact if self._replays != ref.replays else estimate + ref.offset
         reading = StepReading(
-            activations=exact if exact is not None else estimate,
+            activations=activations,
             peak_allocated=peak_allocated,
             peak_reserved=peak_reserved,
             activations_estimate=estimate,
@@ -302,15 +335,18 @@ class StepMeter:
             replays=self._replays,
             calibrations=self._calibrations,
             wall_s=wall,
+            autocast_copies=copies,
+            reference=reference,
         )
         self.last = reading
         return reading
 
     @contextlib.contextmanager
-    def step(self, exact: Optional[bool] = None, activations: bool = True) -> Iterator["_ReadingBox"]:
+    def step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
+             eager: bool = False) -> Iterator["_ReadingBox"]:
         """``with meter.step() as box: ...`` then ``box.reading``; the step is closed even on an exception."""
         box = _ReadingBox()
-        self.start_step(exact=exact, activations=activations)
+        self.start_step(exact=exact, activations=activations, key=key, eager=eager)
         try:
             yield box
         except BaseException:
@@ -323,15 +359,15 @@ class StepMeter:
         if self._live is not None:
             live, self._live = self._live, None
             exit_mode(live)
-        for handle in self._opt_handles:
-            handle.remove()
-        self._opt_handles = ()
         if self._saved is not None:
             saved, self._saved = self._saved, None
             exit_saved_hooks(saved)
         if self._replay_handle is not None:
             self._replay_handle.remove()
             self._replay_handle = None
+        if self._stance is not None:
+            stance, self._stance = self._stance, None
+            stance.__exit__(None, None, None)
         self._open = False
 
     def __del__(self) -> None:  # a meter dropped mid-step must not leave hooks behind
@@ -367,19 +403,25 @@ class StepMeter:
         finally:
             self._replay_depth -= 1
 
-    def _counts_as_activation(self) -> bool:
-        if self._in_optimizer:
-            return False
-        return self._replay_depth > 0 or torch._C._current_graph_task_id() == -1
 
-    def _optimizer_enters(self, *_: Any) -> None:
-        self._in_optimizer = True
 
-    def _optimizer_leaves(self, *_: Any) -> None:
-        self._in_optimizer = False
+@dataclass(frozen=True)
+class _Reference:
+    """What the exact reference step of a key measured: the two figures, their difference, its replays."""
+
+    exact: int
+    copies: int
+    offset: int
+    replays: int
 
 
 class _ReadingBox:
     reading: Optional[StepReading] = None
+
+
+def _force_eager() -> Any:
+    """Run compiled code eagerly until the returned object's ``__exit__`` (``None`` without the API)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else None
 
 

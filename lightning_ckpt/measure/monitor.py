@@ -25,10 +25,7 @@ from lightning_ckpt.measure.ledger import Ledger, build_ledger
 from lightning_ckpt.measure.meter import StepMeter, StepReading
 from lightning_ckpt.measure.tokens import count_samples, count_tokens
 
-__all__ = ["MEMORY_MAX_KEYS", "THROUGHPUT_SUM_KEYS", "StepMonitor", "StepResult"]
-
-MEMORY_MAX_KEYS = ("params", "grads", "optimizer", "activations", "peak_allocated", "peak_reserved", "other", "cache")
-THROUGHPUT_SUM_KEYS = ("tokens_per_sec", "samples_per_sec")
+__all__ = ["StepMonitor", "StepResult"]
 
 
 @dataclass(frozen=True)
@@ -92,14 +89,18 @@ class StepMonitor:
     def in_step(self) -> bool:
         return self._open
 
-    def begin_step(self, measure: bool) -> None:
-        """Start an optimizer step; ``measure`` counts activations and builds the ledger at the end."""
+    def begin_step(self, measure: bool, key: Any = None, eager: bool = False) -> None:
+        """Start an optimizer step; ``measure`` counts activations and builds the ledger at the end.
+
+        ``key`` (what determines the step's memory: plan, batch shapes, precision) makes the first step of each key
+        an exact reference step (see :mod:`lightning_ckpt.measure.meter`); ``eager`` runs compiled code eagerly.
+        """
         if self._paused_at is not None:  # paused without resume(): time from here on
             self._last_end, self._paused_at = None, None
         if self._last_end is None:
             self._last_end = time.perf_counter()
         exact = bool(measure and self.exact_every_n_steps and self._measured % self.exact_every_n_steps == 0)
-        self.meter.start_step(exact=exact, activations=measure)
+        self.meter.start_step(exact=exact, activations=measure, key=key, eager=eager)
         self._ledger_wanted = measure
         self._tokens, self._samples, self._open = 0, 0, True
 

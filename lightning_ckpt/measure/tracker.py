@@ -47,7 +47,7 @@ def storages(t: torch.Tensor):
 class _StorageRef(weakref.ref):
     """A weak reference to a counted tensor or storage that remembers its key and size."""
 
-    __slots__ = ("key", "nbytes")
+    __slots__ = ("copy", "key", "nbytes")
 
 
 class SavedBytes:
@@ -149,11 +149,15 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Live bytes of the storages that operators create while this mode is active, with the running peak.
+    """Live bytes of the storages that operators create while this mode is active, with the running peaks.
 
     A storage counts when an operator returns it and none of the operator's inputs used it (views, in-place and
     ``out=`` results are not new memory), unless it is already counted or listed in ``skip``. It is uncounted
     when freed. ``gate()`` (optional) decides per operator whether its new storages count at all.
+
+    Copies of parameters — what ``_to_copy`` returns for an ``nn.Parameter``: the low-precision weights autocast
+    makes, held by its cache or saved for backward — are counted apart, in ``copies_live`` / ``copies_peak``;
+    ``live`` / ``peak`` count everything else.
     """
 
     def __init__(self, device: torch.device, skip: Optional[Dict[int, Any]] = None,
@@ -163,8 +167,8 @@ class LiveBytes(TorchDispatchMode):
         self.skip = skip if skip is not None else {}
         self.gate = gate
         self.tracked: Dict[int, _StorageRef] = {}
-        self.live = 0
-        self.peak = 0
+        self.live = self.peak = 0
+        self.copies_live = self.copies_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -176,27 +180,36 @@ class LiveBytes(TorchDispatchMode):
             return out
         inputs, _ = tree_flatten((args, kwargs))
         used = {storage_key(st) for t in inputs if isinstance(t, torch.Tensor) for st in storages(t)}
+        copy = func is _TO_COPY and isinstance(args[0], nn.Parameter)
         for t in fresh:
             for st in storages(t):
                 key = storage_key(st)
                 if key not in used and key not in self.tracked and key not in self.skip:
-                    self._add(st, key)
+                    self._add(st, key, copy)
         return out
 
-    def _add(self, st, key: int) -> None:
+    def _add(self, st, key: int, copy: bool) -> None:
         ref = _StorageRef(st, self._freed)
-        ref.key = key
+        ref.key, ref.copy = key, copy
         ref.nbytes = n = st.nbytes()
         self.tracked[key] = ref
-        self.live += n
-        if self.live > self.peak:
-            self.peak = self.live
+        if copy:
+            self.copies_live += n
+            self.copies_peak = max(self.copies_peak, self.copies_live)
+        else:
+            self.live += n
+            self.peak = max(self.peak, self.live)
 
     def _freed(self, ref: _StorageRef) -> None:
         if self.tracked.get(ref.key) is ref:
             del self.tracked[ref.key]
-            self.live -= ref.nbytes
+            if ref.copy:
+                self.copies_live -= ref.nbytes
+            else:
+                self.live -= ref.nbytes
 
+
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 def exit_mode(mode: TorchDispatchMode) -> None:

@@ -38,6 +38,7 @@ CPU_TAGS = {
     "memory/grads_gib",
     "memory/optimizer_gib",
     "memory/activations_gib",
+    "memory/autocast_copies_gib",  # measured: 0 in float32, never left out as unknown on the CPU
     "throughput/tokens_per_sec",
     "throughput/samples_per_sec",
     "time/step_s",
@@ -141,6 +142,7 @@ def test_custom_scalars_layout_puts_the_ledger_in_one_memory_chart(tmp_path):
             "grads",
             "optimizer",
             "activations",
+            "autocast_copies",
             "peak_allocated",
             "peak_reserved",
             "other",

@@ -158,15 +158,17 @@ def test_ledger_on_cpu_has_no_allocator_lines(gpt):
 def test_ledger_arithmetic_with_allocator_counters():
     model = nn.Linear(256, 256)  # 257 KiB of fp32 params
     params = 256 * 257 * 4
-    reading = StepReading(activations=40 * MiB, peak_allocated=50 * MiB, peak_reserved=64 * MiB)
+    reading = StepReading(activations=36 * MiB, autocast_copies=4 * MiB, peak_allocated=50 * MiB,
+                          peak_reserved=64 * MiB)
     ledger = build_ledger(model, [], reading, capacity=80 * MiB)
-    assert ledger.other == 50 * MiB - params - 40 * MiB
+    assert ledger.other == 50 * MiB - params - 36 * MiB - 4 * MiB  # the copies are a line of their own
     assert ledger.cache == 14 * MiB and ledger.headroom == 16 * MiB
     assert ledger.dominant() == "activations" and "checkpointing" in ledger.diagnosis()
     assert tuple(ledger.lines()) == LEDGER_LINES
     metrics = ledger.as_metrics(prefix="mem")
     assert metrics["mem/peak_reserved_gib"] == 64 * MiB / GiB
-    assert {"mem/other_gib", "mem/cache_gib", "mem/peak_allocated_gib"} <= set(metrics)
+    assert {"mem/other_gib", "mem/cache_gib", "mem/peak_allocated_gib", "mem/autocast_copies_gib"} <= set(metrics)
+    assert metrics["mem/autocast_copies_gib"] == 4 * MiB / GiB
     assert "mem/optimizer_master_gib" not in metrics
     # lines that do not peak together never make "other" negative
     tight = build_ledger(model, [], StepReading(activations=50 * MiB, peak_allocated=50 * MiB))
