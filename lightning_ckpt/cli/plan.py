@@ -15,6 +15,7 @@ from lightning_ckpt.forecast.numbers import (
     LedgerForecast,
     forecast_from_numbers,
 )
+from lightning_ckpt.forecast.precision import PRECISIONS
 from lightning_ckpt.forecast.trace import forecast_model
 
 __all__ = ["add_parser", "run"]
@@ -57,6 +58,10 @@ def add_parser(sub) -> None:
                         f"{KORTHIKANTI_TENSORS}, after Korthikanti et al. with a fused attention kernel; the seed's "
                         "simplified example uses 6)")
     p.add_argument("--attention", default=None, choices=["fused", "eager"], help="numbers only (default fused)")
+    p.add_argument("--precision", default=None,
+                   help=f"--model: a Lightning precision, one of {', '.join(PRECISIONS)} (default 32-true); the "
+                        "forward runs under that precision's autocast (weight cache off as in Lightning's Trainer, "
+                        "'+cache' on), or the parameters are cast")
     p.add_argument("--capacity", default=None, help="device capacity, e.g. 24GiB")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="numbers: none, all, every:N, group:K; --model: any policy (selective too)")
@@ -83,7 +88,7 @@ def run(args) -> int:
                          f"the model); got --params={args.params!r} and --model={args.model!r}.")
     if args.model is not None:
         return _run_plan_model(args)
-    for name in ("init_args", "config", "vocab_size"):
+    for name in ("init_args", "config", "vocab_size", "precision"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} only applies with --model; drop it or pass --model.")
     for name, value in _NUMBERS_DEFAULTS.items():
@@ -121,13 +126,14 @@ def _run_plan_model(args) -> int:
     forecast = forecast_model(args.model, kwargs, micro_batch=args.micro_batch, seq_len=args.seq_len,
                               policies=parse_policy_list(args.policies), param_dtype=args.param_dtype,
                               optimizer=args.optimizer, master_dtype=args.master_dtype, capacity=capacity,
-                              vocab_size=args.vocab_size)
+                              vocab_size=args.vocab_size, precision=args.precision or "32-true")
     if args.json:
         print(json.dumps(forecast.as_json(), indent=2))
         return 0
     print(f"model {forecast.model}: {forecast.num_params / 1e9:.3f} B parameters, {forecast.blocks} blocks of "
           f"{forecast.block_class}, "
-          f"micro-batch {args.micro_batch} × {args.seq_len} tokens; traced on fake tensors in "
+          f"micro-batch {args.micro_batch} × {args.seq_len} tokens, precision {forecast.precision}; traced on fake "
+          "tensors in "
           f"{time.perf_counter() - t0:.1f} s (nothing allocated)")
     print(_table(forecast))
     replays = {p: v for p, v in forecast.replay_interior.items() if v}
@@ -147,14 +153,18 @@ def _table(forecast: LedgerForecast) -> str:
     rows.append(f"one hidden-width tensor: {forecast.hidden_tensor / MiB:.0f} MiB; boundaries with every block "
                 f"checkpointed: {forecast.boundary_all / MiB:.0f} MiB; one block's interior: "
                 f"{forecast.block_interior / MiB:.0f} MiB")
-    rows.append(f"{'policy':<14}{'activations GiB':>17}{'peak GiB':>10}  verdict")
+    copies = getattr(forecast, "autocast_copies", {})
+    with_copies = any(copies.values())
+    rows.append(f"{'policy':<14}{'activations GiB':>17}" + (f"{'autocast copies GiB':>21}" if with_copies else "")
+                + f"{'peak GiB':>10}  verdict")
     for policy, act in forecast.activations.items():
         verdict = "capacity unknown (pass --capacity)"
         if cap:
             crossing = forecast.crosses[policy]
             verdict = (f"fits, {(cap - forecast.peak[policy]) / GiB:.2f} GiB to spare" if crossing is None
                        else f"does not fit: the {crossing} line crosses {cap / GiB:.0f} GiB")
-        rows.append(f"{policy:<14}{act / GiB:>17.2f}{forecast.peak[policy] / GiB:>10.2f}  {verdict}")
+        extra = f"{copies[policy] / GiB:>21.2f}" if with_copies else ""
+        rows.append(f"{policy:<14}{act / GiB:>17.2f}{extra}{forecast.peak[policy] / GiB:>10.2f}  {verdict}")
     return "\n".join(rows)
 
 

@@ -153,13 +153,13 @@ def _policy_activations(policy: str, layers: int, boundary: int, interior: int) 
     return math.ceil(layers / k) * boundary + k * interior
 
 
-def crossing_line(params, grads, optimizer, master, activations, capacity) -> Optional[str]:
+def crossing_line(params, grads, optimizer, master, activations, capacity, copies: int = 0) -> Optional[str]:
     """The first ledger line at which the running total passes capacity (``None`` when everything fits)."""
     if capacity is None:
         return None
     total = 0
     for name, size in (("parameters", params), ("gradients", grads), ("optimizer moments", optimizer),
-                       ("master copy", master), ("activations", activations)):
+                       ("master copy", master), ("activations", activations), ("autocast copies", copies)):
         total += size
         if total > capacity:
             return name

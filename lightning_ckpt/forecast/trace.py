@@ -5,10 +5,13 @@
 *fake tensor* with the real shape, dtype and device but no storage, so a 7-billion-parameter model is forecast on
 a laptop in seconds. Then, per policy, the policy is applied with :func:`lightning_ckpt.core.wrap.apply_policy`
 and one forward and backward is run on a fake batch under the activation meter itself
-(:class:`lightning_ckpt.measure.meter.StepMeter`, default mode, running the one tracker of
-:mod:`lightning_ckpt.measure.tracker` on fake tensors): the bytes saved for backward, once per storage while it
-is alive, parameters and buffers excluded, plus the live interior of every checkpointed region while it is
-replayed in backward (the *replay transient*). After the first backward the real optimizer steps once on the
+(:class:`lightning_ckpt.measure.meter.StepMeter` in exact mode, running the one tracker of
+:mod:`lightning_ckpt.measure.tracker` on fake tensors): every tensor the forward creates, while it is alive
+(temporaries such as the loss's float32 upcast included), parameters and buffers excluded, plus the live interior
+of every checkpointed region while it is replayed in backward (the *replay transient*); autocast's low-precision
+copies of the weights are their own line. ``precision`` (a Lightning name, see
+:mod:`lightning_ckpt.forecast.precision`) runs the forward under the autocast that precision uses, or casts the
+parameters. After the first backward the real optimizer steps once on the
 fake parameters, and the model-state lines (parameters, gradients, optimizer state, master copies) are walked by
 :func:`lightning_ckpt.measure.ledger.model_state_bytes` from the tensors the optimizer actually creates: exact,
 not estimated. What is loaded and how the loss is found: :mod:`lightning_ckpt.forecast.load`.
@@ -38,6 +41,7 @@ from lightning_ckpt.core.policy import parse_policy
 from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing
 from lightning_ckpt.forecast.load import TORCH_OPTIMIZERS, build_model, make_batch, make_optimizers, step_loss
 from lightning_ckpt.forecast.numbers import DTYPE_BYTES, LedgerForecast, crossing_line
+from lightning_ckpt.forecast.precision import Precision, parse_precision
 from lightning_ckpt.measure.ledger import model_state_bytes
 from lightning_ckpt.measure.meter import StepMeter
 
@@ -59,9 +63,14 @@ class ModelForecast(LedgerForecast):
         num_params: parameters (elements).
         blocks: how many repeated blocks were found; ``block_class`` their class.
         replay_interior: per policy, the largest live interior of one replayed region (0 without replays).
+        autocast_copies: per policy, the peak of autocast's low-precision copies of the weights (0 without
+            autocast).
+        precision: the Lightning precision name the step was traced in.
         trace_s: per policy, seconds the fake forward and backward took.
     """
 
+    autocast_copies: Dict[str, int] = field(default_factory=dict)
+    precision: str = "32-true"
     model: str = ""
     num_params: int = 0
     blocks: int = 0
@@ -109,6 +118,7 @@ def forecast_model(
     capacity: Optional[int] = None,
     vocab_size: Optional[int] = None,
     blocks: Any = None,
+    precision: str = "32-true",
 ) -> ModelForecast:
     """Forecast the ledger of ``target`` per policy without allocating it (see the module docstring).
 
@@ -126,6 +136,8 @@ def forecast_model(
         capacity: device capacity in bytes, for ``fits`` and ``crosses``.
         vocab_size: token id range of the synthetic batch (default: read from the model).
         blocks: block selector for :func:`~lightning_ckpt.core.blocks.find_blocks`.
+        precision: a Lightning precision name (``"bf16-mixed"``, ``"bf16-true"``, ...; see
+            :data:`lightning_ckpt.forecast.precision.PRECISIONS`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -138,6 +150,12 @@ def forecast_model(
     for p in policies:
         parse_policy(p)
     dtype = parse_dtype(param_dtype)
+    mode = parse_precision(precision)
+    if mode.param_dtype is not None:
+        if dtype is not None and dtype != mode.param_dtype:
+            raise ValueError(f"--param-dtype={param_dtype!r} contradicts --precision={precision!r}, which holds the "
+                             f"parameters in {mode.param_dtype}; drop --param-dtype.")
+        dtype = mode.param_dtype
     master_key = (master_dtype or "none").lower()
     if master_key not in DTYPE_BYTES:
         raise ValueError(f"--master-dtype={master_dtype!r} is not a known dtype; choose one of "
@@ -168,6 +186,7 @@ def forecast_model(
 
     hook = plan.blocks[0].register_forward_pre_hook(first_input, with_kwargs=True)
     activations: Dict[str, int] = {}
+    copies: Dict[str, int] = {}
     interiors: Dict[str, int] = {}
     times: Dict[str, float] = {}
     state = None
@@ -181,8 +200,8 @@ def forecast_model(
             meter = StepMeter(next(model.parameters()).device, model=model)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                with fake, meter.step() as box:
-                    _trace_step(model, batch, label, policy)
+                with fake, meter.step(exact=True) as box:
+                    _trace_step(model, batch, label, policy, mode)
                     if state is None:
                         opts = make_optimizers(model, optimizer)
                         for opt in opts:
@@ -191,6 +210,7 @@ def forecast_model(
                         del opts
             times[policy] = time.perf_counter() - t0
             activations[policy] = box.reading.activations
+            copies[policy] = box.reading.autocast_copies or 0
             interiors[policy] = meter.largest_replay_interior
     finally:
         hook.remove()
@@ -201,27 +221,30 @@ def forecast_model(
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     master += n_trainable * DTYPE_BYTES[master_key]
     total = params + grads + opt_bytes + master
-    peak = {p: total + a for p, a in activations.items()}
+    peak = {p: total + a + copies[p] for p, a in activations.items()}
     fits = {p: None if capacity is None else v <= capacity for p, v in peak.items()}
-    crosses = {p: crossing_line(params, grads, opt_bytes, master, activations[p], capacity) for p in policies}
+    crosses = {p: crossing_line(params, grads, opt_bytes, master, activations[p], capacity, copies[p])
+               for p in policies}
     single = [v for p, v in interiors.items() if v and parse_policy(p).name != "group"]
     block_interior = interiors.get("all") or (min(single) if single else max(interiors.values(), default=0))
     inputs = dict(model=label, init_args=dict(init_args or {}), micro_batch=micro_batch, seq_len=seq_len,
                   policies=list(policies), param_dtype=param_dtype, optimizer=optimizer, master_dtype=master_dtype,
-                  capacity=capacity, vocab_size=vocab_size)
+                  capacity=capacity, vocab_size=vocab_size, precision=mode.name)
     return ModelForecast(
         params=params, grads=grads, optimizer=opt_bytes, master=master, model_state=total,
         hidden_tensor=boundary["bytes"], boundary_all=boundary["bytes"] * num_blocks, block_interior=block_interior,
         activations=activations, peak=peak, capacity=capacity, fits=fits, crosses=crosses, inputs=inputs,
         model=label, num_params=sum(p.numel() for p in model.parameters()), blocks=num_blocks,
-        block_class=block_class, replay_interior=interiors, trace_s=times,
+        block_class=block_class, replay_interior=interiors, trace_s=times, autocast_copies=copies,
+        precision=mode.name,
     )
 
 
-def _trace_step(model: nn.Module, batch: Any, label: str, policy: str) -> None:
+def _trace_step(model: nn.Module, batch: Any, label: str, policy: str, precision: Precision) -> None:
     """One fake forward and backward; what fake tensors cannot run becomes a ``ValueError`` naming the model."""
     try:
-        loss = step_loss(model, batch)
+        with precision.forward_context("cpu"):
+            loss = step_loss(model, batch)
         loss.backward()
     except (ValueError, TypeError):
         raise

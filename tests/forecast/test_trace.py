@@ -17,6 +17,7 @@ from lightning_ckpt.core.wrap import apply_policy
 from lightning_ckpt.forecast.load import build_model, make_batch, make_optimizers, step_loss
 from lightning_ckpt.forecast.trace import forecast_model
 from lightning_ckpt.measure.ledger import model_state_bytes
+from lightning_ckpt.measure.meter import StepMeter
 
 GiB, MiB = 2**30, 2**20
 POLICIES = ("none", "every:2", "all")
@@ -134,6 +135,8 @@ def test_json_schema_from_model(capsys):
         (["--model", TINY, "--capacity", "1 parsec"], "unknown unit"),
         (["--model", TINY, "--param-dtype", "fp13"], "not a floating dtype"),
         (["--model", TINY, "--optimizer", "lion"], "cannot be built with --model"),
+        (["--model", TINY, "--precision", "fp8-mixed"], "choose one of ['32-true', 'bf16-mixed'"),
+        (["--model", TINY, "--precision", "bf16-true", "--param-dtype", "fp32"], "contradicts --precision"),
         ([], "exactly one of"),
     ],
 )
@@ -144,3 +147,45 @@ def test_bad_model_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys, extra
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("lightning-ckpt plan: error:") and words in err[0], err
     assert captured.out == "" and list(tmp_path.iterdir()) == []
+
+
+PRECISION_MODELS = [
+    ("demo GPT", "lightning_ckpt.demos.factories:benchmark_gpt",
+     dict(n_layer=4, n_embd=64, n_head=4, vocab_size=96, block_size=64)),
+    ("HF Llama", "lightning_ckpt.demos.hf:tiny_llama", dict(n_layer=4, n_embd=64, n_head=4, n_positions=64,
+                                                           vocab_size=512)),
+]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-mixed+cache", "bf16-true"])
+@pytest.mark.parametrize("label, target, init_args", PRECISION_MODELS, ids=[m[0] for m in PRECISION_MODELS])
+def test_forecast_in_a_precision_matches_the_meter_in_that_precision(label, target, init_args, precision):
+    from lightning_ckpt.forecast.precision import parse_precision
+
+    forecast = forecast_model(target, init_args, micro_batch=B, seq_len=T, policies=POLICIES, precision=precision)
+    mode = parse_precision(precision)
+    torch.manual_seed(0)
+    model = build_model(target, init_args)
+    if mode.param_dtype is not None:
+        model.to(mode.param_dtype)
+    model.train()
+    batch = make_batch(model, B, T)
+    plan = apply_policy(model, "none")
+    rows = []
+    for policy in POLICIES:
+        plan.retarget(policy)
+        meter = StepMeter("cpu", model=model)
+        with meter.step(exact=True) as box:
+            with mode.forward_context("cpu"):
+                loss = step_loss(model, batch)
+            loss.backward()
+            del loss
+        model.zero_grad(set_to_none=True)
+        act, copies = box.reading.activations, box.reading.autocast_copies
+        predicted = forecast.activations[policy] / MiB, forecast.autocast_copies[policy] / MiB
+        rows.append(f"{label} {precision:<17} {policy:<8} activations {predicted[0]:7.3f} vs {act / MiB:7.3f} MiB  "
+                    f"copies {predicted[1]:6.3f} vs {copies / MiB:6.3f}")
+        assert forecast.activations[policy] == pytest.approx(act, rel=0.10), rows[-1]
+        assert forecast.autocast_copies[policy] == pytest.approx(copies, rel=0.10, abs=1), rows[-1]
+    print("\n" + "\n".join(rows))
+    assert forecast.precision == precision and (forecast.autocast_copies["none"] > 0) == ("mixed" in precision)

@@ -32,6 +32,7 @@ class ProfileResult:
     oom: bool = False
     error: Optional[str] = None
     activations: Optional[int] = None
+    autocast_copies: Optional[int] = None
     peak_allocated: Optional[int] = None
     peak_reserved: Optional[int] = None
     model_state: Optional[int] = None

@@ -5,7 +5,6 @@ See :mod:`lightning_ckpt.forecast.profile` for what is measured and written.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import json
@@ -25,6 +24,7 @@ from lightning_ckpt.core.units import GiB, parse_size
 from lightning_ckpt.core.wrap import apply_policy, get_plan
 from lightning_ckpt.decide.diagnosis import is_out_of_memory
 from lightning_ckpt.forecast.load import build_model, import_object, load_init_args, make_optimizers, step_loss
+from lightning_ckpt.forecast.precision import PRECISIONS, parse_precision
 from lightning_ckpt.forecast.profile.analysis import ProfileReport, ProfileResult, read_slopes, recommend
 from lightning_ckpt.forecast.profile.output import Progress, markdown, save_plot, summary_text, tensorboard_writer
 from lightning_ckpt.measure.ledger import model_state_bytes
@@ -34,7 +34,6 @@ from lightning_ckpt.measure.tokens import count_tokens
 __all__ = ["DEFAULT_POLICIES", "PRECISIONS", "profile"]
 
 DEFAULT_POLICIES = ("none", "selective", "every:2", "all")
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 _SEQ_KWARGS = ("seq_len", "seq_length", "max_length", "block_size", "sequence_length")
 _BATCH_KWARGS = ("batch_size", "micro_batch")
 
@@ -214,7 +213,7 @@ def profile(
         budget: the memory the recommendation must fit (``"18GiB"``); default ``capacity``.
         capacity: the device's memory (default: read from the device; unknown on the CPU).
         device: ``"cuda"``, ``"cpu"``, ...; default CUDA when available.
-        precision: one of :data:`PRECISIONS`.
+        precision: a Lightning precision name (:data:`lightning_ckpt.forecast.precision.PRECISIONS`).
         out: output directory (created; files in it are overwritten).
         progress, tensorboard, plot: switch those outputs off.
         seed: ``torch.manual_seed`` at the start of every configuration.
@@ -235,8 +234,7 @@ def profile(
     for name, value, low in (("--steps", steps, 1), ("--warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision={precision!r} is not supported; choose one of {list(PRECISIONS)}.")
+    mode = parse_precision(precision)
     try:
         dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
                                                                            else "cpu")
@@ -287,8 +285,8 @@ def profile(
     configs = _configurations(policies_t, mbs, lens, fixed_mb, fixed_seq, k)
 
     module.to(dev)
-    if precision == "bf16-true":
-        module.to(torch.bfloat16)
+    if mode.param_dtype is not None:
+        module.to(mode.param_dtype)
     module.train()
     # every shape once, so that a bad length fails now (out-of-memory here is left for the run to report)
     for mb_, s_ in {(mb_, s_) for (_, mb_, s_, _) in configs}:
@@ -373,7 +371,7 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
     meter = StepMeter(dev, model=module)
     opts: List[Any] = []
     batch = None
-    rows: Dict[str, List[float]] = {k: [] for k in ("fwd", "bwd", "opt", "step", "act", "alloc", "res")}
+    rows: Dict[str, List[float]] = {k: [] for k in ("fwd", "bwd", "opt", "step", "act", "copies", "alloc", "res")}
     cuda = dev.type == "cuda"
     done = 0
     try:
@@ -388,11 +386,11 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
                 opt.zero_grad(set_to_none=True)
             _sync(dev)
             t_step = time.perf_counter()
-            meter.start_step()
+            meter.start_step(key=result.name)  # the first step (a warm-up) is the exact reference step
             try:
                 for _ in range(result.accumulate):
                     t0 = time.perf_counter()
-                    with _autocast(dev, precision):
+                    with parse_precision(precision).forward_context(dev.type):
                         loss = step_loss(module, batch)
                     _sync(dev)
                     t1 = time.perf_counter()
@@ -425,6 +423,7 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
             rows["step"].append(t_end - t_step)
             if reading.activations is not None:
                 rows["act"].append(reading.activations)
+                rows["copies"].append(reading.autocast_copies or 0)
             if cuda:
                 alloc, res = cuda_peaks(dev)  # reset at start_step: the peak of the whole step, optimizer included
                 rows["alloc"].append(alloc)
@@ -446,11 +445,13 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
         result.optimizer_s, result.step_s = med(rows["opt"]), med(rows["step"])
         result.tokens_per_sec = result.tokens_per_step / result.step_s if result.step_s else None
         result.activations = max(rows["act"]) if rows["act"] else None
+        result.autocast_copies = max(rows["copies"]) if rows["copies"] else None
         if cuda:
             result.peak_allocated, result.peak_reserved = max(rows["alloc"]), max(rows["res"])
             result.peak, result.peak_source = result.peak_reserved, "reserved"
         elif result.activations is not None and result.model_state is not None:
-            result.peak, result.peak_source = result.model_state + result.activations, "model state + activations"
+            result.peak = result.model_state + result.activations + (result.autocast_copies or 0)
+            result.peak_source = "model state + activations + autocast copies"
         if writer is not None and result.model_state is not None:
             writer.add_scalar("memory/model_state_gib", result.model_state / GiB, 0)
     except Exception as err:  # noqa: BLE001 - an OOM is a result; other errors are reported per configuration
@@ -472,11 +473,5 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _autocast(dev: torch.device, precision: str):
-    if precision == "bf16-mixed":
-        return torch.autocast(dev.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
