@@ -1,10 +1,16 @@
-"""Step-time overhead of the callback's per-step measurement, in one process, on one model and batch.
+"""Step-time overhead of the callback's per-step measurement (and decisions), on one model and batch.
 
 Run from the repository root::
 
     python benchmarks/overhead.py                  # demo GPT 12x512, seq 512, micro-batch 4, CPU
+    python benchmarks/overhead.py --case auto      # B also runs the auto-toggle's decision every step
+    python benchmarks/overhead.py --case ddp       # 2 processes (DDP, gloo): B reduces across ranks every step
     python benchmarks/overhead.py --quick          # tiny GPT, a few rounds (< 1 min): shows the format only
     python benchmarks/overhead.py --accelerator gpu   # the same on a CUDA device (target <= 1.01x)
+
+Cases: ``single`` (one process, fixed policy), ``auto`` (B with ``auto_threshold`` — never crossed, so the plan
+stays put — deciding on every step; A decides never), ``ddp`` (``ddp_spawn`` on 2 CPU processes with gloo; every B
+step reduces its figures across the ranks with one collective and one host sync; times from rank 0).
 
 What is compared (the baseline is stated because it decides what "overhead" means):
 
@@ -29,6 +35,7 @@ value. The first ``--warmup`` steps (the replay calibration, AdamW's lazy state)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -73,6 +80,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="micro-batch (default 4; --quick 2)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 512; --quick 64)")
     p.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu"))
+    p.add_argument("--case", default="single", choices=("single", "auto", "ddp"))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--json", default=None, help="write per-step times and the verdict here")
     p.add_argument("--strict", action="store_true", help="exit 1 on a MISS")
@@ -96,11 +104,19 @@ class _SameBatch(LightningDataModule):
         return DataLoader([self.batch] * self.n, batch_size=None)
 
 
-class AlternateAndTime(Callback):
-    """Put first: switches the callback's ``measure`` per step (ABBA) and times each whole step."""
+def set_variant(cb: ActivationCheckpointing, measuring: bool) -> None:
+    """B: measure (and decide, with an auto-toggle) on every step; A: neither."""
+    engine = cb._engine
+    engine.settings = dataclasses.replace(engine.settings, measure=measuring,
+                                          decide_every_n_steps=1 if measuring else 10**9)
 
-    def __init__(self, cb: ActivationCheckpointing, schedule: List[str], cuda: bool) -> None:
-        self.cb, self.schedule, self.cuda = cb, schedule, cuda
+
+class AlternateAndTime(Callback):
+    """Put first: switches the callback between A and B per step (ABBA) and times each whole step; with several
+    processes, rank 0 writes its times to ``out``."""
+
+    def __init__(self, cb: ActivationCheckpointing, schedule: List[str], cuda: bool, out: str = "") -> None:
+        self.cb, self.schedule, self.cuda, self.out = cb, schedule, cuda, out
         self.marks: List[float] = []
         self.cpu_marks: List[float] = []
         self.measured: List[bool] = []
@@ -120,7 +136,7 @@ class AlternateAndTime(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._record_previous()
         self._mark()
-        self.cb.measure = self.schedule[len(self.marks) - 1] == "B"  # read by the callback's hook, next
+        set_variant(self.cb, self.schedule[len(self.marks) - 1] == "B")  # read by the callback's hook, next
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.end_before.append(time.perf_counter())
@@ -128,6 +144,10 @@ class AlternateAndTime(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self._record_previous()
         self._mark()  # closes the last step (after Lightning logged it)
+        if self.out and trainer.global_rank == 0:
+            with open(self.out, "w") as fh:
+                json.dump(dict(marks=self.marks, cpu_marks=self.cpu_marks, measured=self.measured,
+                               end_before=self.end_before), fh)
 
 
 class HookClock(Callback):
@@ -173,12 +193,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         schedule += list(_PATTERNS[r % 2])
     steps = len(schedule)
 
-    cb = ActivationCheckpointing(policy=args.policy, report=False)
-    timer, hooks = AlternateAndTime(cb, schedule, cuda), HookClock()
+    # the auto case: a threshold no step crosses, so the plan stays put while every B step reads and decides
+    auto = dict(auto_threshold="1TiB", ladder=[args.policy, "all"]) if args.case == "auto" else {}
+    cb = ActivationCheckpointing(policy=args.policy, report=False, **auto)
+    ddp = args.case == "ddp"
     with tempfile.TemporaryDirectory() as logdir:
+        timer = AlternateAndTime(cb, schedule, cuda, out=os.path.join(logdir, "times.json") if ddp else "")
+        hooks = HookClock()
         trainer = Trainer(
             accelerator=args.accelerator,
-            devices=1,
+            devices=2 if ddp else 1,
+            strategy="ddp_spawn" if ddp else "auto",
             max_steps=steps,
             callbacks=[timer, cb, hooks],
             logger=TensorBoardLogger(logdir, name="overhead"),
@@ -192,6 +217,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         t0 = time.perf_counter()
         trainer.fit(model, datamodule=_SameBatch(batch, steps))
         wall = time.perf_counter() - t0
+        if ddp:  # the spawned ranks timed the steps; rank 0 wrote them
+            with open(timer.out) as fh:
+                for name, value in json.load(fh).items():
+                    setattr(timer, name, value)
 
     step_s = [b - a for a, b in zip(timer.marks, timer.marks[1:])]
     cpu_s = [b - a for a, b in zip(timer.cpu_marks, timer.cpu_marks[1:])]
@@ -216,22 +245,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     hook_ms = [
         1e3 * ((sa - sb) + (ea - eb))
         for sb, sa, eb, ea in zip(timer.marks, hooks.start_after, timer.end_before, hooks.end_after)
-    ]
-    hook_a = [hook_ms[i] for i in timed if schedule[i] == "A"]
-    hook_b = [hook_ms[i] for i in timed if schedule[i] == "B"]
+    ]  # empty under ddp_spawn: the hook clocks ran in the workers
+    hook_a = [hook_ms[i] for i in timed if schedule[i] == "A" and i < len(hook_ms)] or [math.nan]
+    hook_b = [hook_ms[i] for i in timed if schedule[i] == "B" and i < len(hook_ms)] or [math.nan]
     ratio = statistics.median(ratios)
     device = "cuda" if cuda else "cpu"
     target = TARGET[device]
     plan = cb.plan
+    blocks = f"{plan.num_checkpointed}/{plan.num_blocks} blocks" if plan is not None else "plan in the workers"
 
     print(
         f"model: GPT {cfg.n_layer}x{cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab_size} | "
         f"batch {args.batch} x seq {args.seq} | AdamW | policy {args.policy!r} "
-        f"({plan.num_checkpointed}/{plan.num_blocks} blocks) | device {device}"
+        f"({blocks}) | device {device} | case {args.case}"
     )
     print(
-        f"baseline A: the same ActivationCheckpointing(policy={args.policy!r}) with measure=False; "
-        "B: measure=True, every step measured and logged (log_every_n_steps=1, TensorBoardLogger)"
+        f"baseline A: the same ActivationCheckpointing(policy={args.policy!r}) measuring nothing, deciding nothing; "
+        "B: every step measured and logged (log_every_n_steps=1, TensorBoardLogger)"
+        + ("; and the auto-toggle decides on every B step" if args.case == "auto" else "")
+        + ("; 2 DDP processes (gloo): every B step reduces across ranks" if ddp else "")
     )
     print(f"{args.rounds} ABBA rounds after {args.warmup} warm-up steps; fit wall time {wall:.1f} s")
     print()
@@ -265,7 +297,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.quick and not ok:
         note = " (--quick: a tiny model's step is a few ms, so per-step Python work dominates; not a verdict)"
     print(
-        f"{'PASS' if ok else 'MISS'}  measurement overhead on {device}: median B/A {ratio:.4f} "
+        f"{'PASS' if ok else 'MISS'}  measurement overhead ({args.case}) on {device}: median B/A {ratio:.4f} "
         f"{'<=' if ok else '>'} target {target:.2f}{note}"
     )
 
@@ -277,6 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     torch=torch.__version__,
                     device=device,
                     policy=args.policy,
+                    case=args.case,
                     schedule=schedule,
                     step_s=step_s,
                     cpu_s=cpu_s,

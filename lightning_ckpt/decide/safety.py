@@ -31,8 +31,16 @@ class ReplaySafetyError(ValueError):
     """A checkpointed region would not compute the same thing when replayed."""
 
 
-def preflight(plan: CheckpointPlan, stateful: str = "warn") -> List[str]:
-    """Check a plan before training; returns the names of blocks switched off by ``stateful="skip"``.
+def preflight(plan: CheckpointPlan, stateful: str = "warn", may_change: str = "") -> List[str]:
+    """Check a plan before training, and again after every change; returns the blocks ``stateful="skip"`` keeps
+    off.
+
+    Args:
+        plan: the applied plan.
+        stateful: what to do about running statistics in checkpointed blocks (:data:`STATEFUL_CHOICES`).
+        may_change: when the plan can change during training, the option that changes it (``"auto_threshold"``,
+            ``"on_oom='escalate'"``, a budget policy): the refusals then cover every block, since any may be
+            checkpointed later, so they happen before the first step, never in the middle of training.
 
     Raises:
         ValueError: ``stateful`` is not one of :data:`STATEFUL_CHOICES`.
@@ -40,19 +48,26 @@ def preflight(plan: CheckpointPlan, stateful: str = "warn") -> List[str]:
     """
     if stateful not in STATEFUL_CHOICES:
         raise ValueError(f"stateful={stateful!r} is not valid; choose one of {list(STATEFUL_CHOICES)}.")
+    every = list(zip(plan.names, plan.blocks))
     active = [(name, block) for name, block, mode in zip(plan.names, plan.blocks, plan.modes) if mode != "off"]
-    _check_dropout(plan, active)
-    offenders = {name: _running_stat_modules(name, block) for name, block in active}
+    _check_dropout(plan, every if may_change else active, may_change)
+    offenders = {name: _running_stat_modules(name, block) for name, block in (every if may_change and
+                                                                           stateful == "error" else active)}
     offenders = {name: mods for name, mods in offenders.items() if mods}
     if not offenders:
         return []
     listed = sorted(m for mods in offenders.values() for m in mods)
     if stateful == "error":
+        if may_change:
+            raise ReplaySafetyError(_stateful_message(listed) + f" {may_change} may checkpoint any block during "
+                                    "training, so every block is checked now. Pass stateful='skip' to keep those "
+                                    "blocks un-checkpointed at every rung, or remove the running statistics.")
         raise ReplaySafetyError(_stateful_message(listed) + " Pass stateful='skip' to keep those blocks "
                                 "un-checkpointed, or remove the running statistics.")
     if stateful == "skip":
         modes = ["off" if name in offenders else mode for name, mode in zip(plan.names, plan.modes)]
-        plan.set_modes(modes)
+        if tuple(modes) != plan.modes:
+            plan.set_modes(modes)
         return sorted(offenders)
     warnings.warn(_stateful_message(listed) + " Pass stateful='skip' (callback argument) to keep those blocks "
                   "un-checkpointed.", UserWarning, stacklevel=2)
@@ -76,14 +91,15 @@ def _running_stat_modules(prefix: str, block: nn.Module) -> List[str]:
     return found
 
 
-def _check_dropout(plan: CheckpointPlan, active: List[Tuple[str, nn.Module]]) -> None:
+def _check_dropout(plan: CheckpointPlan, blocks: List[Tuple[str, nn.Module]], may_change: str = "") -> None:
     if plan.options["preserve_rng_state"]:
         return
-    with_dropout = [f"{name}.{sub}" if sub else name for name, block in active
+    with_dropout = [f"{name}.{sub}" if sub else name for name, block in blocks
                     for sub, module in block.named_modules() if _has_dropout(module)]
     if with_dropout:
+        where = f"blocks that {may_change} may checkpoint" if may_change else "checkpointed blocks"
         raise ReplaySafetyError(
-            f"preserve_rng_state=False with active dropout inside checkpointed blocks {with_dropout[:5]}"
+            f"preserve_rng_state=False with active dropout inside {where} {with_dropout[:5]}"
             f"{' …' if len(with_dropout) > 5 else ''}: the replay would draw a different dropout mask, so the "
             "gradients would not belong to the forward that produced the loss. Keep preserve_rng_state=True "
             "(the default) or set the dropout probability to 0."

@@ -70,6 +70,9 @@ class ActivationCheckpointing(Callback):
         ladder: policy strings from least to most checkpointing (default ``["none", "every:2", "all"]``).
         release: a lower rung is taken when its predicted peak stays under ``release × auto_threshold``.
         cooldown: optimizer steps of calm before stepping down, and the minimum dwell after a switch.
+        decide_every_n_steps: with ``auto_threshold``, the auto-toggle reads and decides on every n-th optimizer
+            step. Under several processes a decision step costs one collective of one float and one host sync;
+            the other steps (neither logged nor deciding) cost no sync, no collective, no hook.
         on_oom: ``"raise"`` (diagnose and re-raise) or ``"escalate"`` (retry the step one rung up).
         stateful: modules with running statistics in checkpointed blocks: ``"warn"``, ``"skip"`` (keep those
             blocks un-checkpointed) or ``"error"``.
@@ -148,6 +151,7 @@ class ActivationCheckpointing(Callback):
         ladder: Optional[List[str]] = None,
         release: float = 0.8,
         cooldown: int = 20,
+        decide_every_n_steps: int = 1,
         on_oom: Literal["raise", "escalate"] = "raise",
         stateful: Literal["warn", "skip", "error"] = "warn",
         verify: bool = False,
@@ -157,7 +161,8 @@ class ActivationCheckpointing(Callback):
                             determinism_check=determinism_check, debug=debug, measure=measure,
                             exact_every_n_steps=exact_every_n_steps, tokens_fn=tokens_fn, prefix=prefix,
                             auto_threshold=auto_threshold, capacity=capacity, ladder=ladder, release=release,
-                            cooldown=cooldown, on_oom=on_oom, stateful=stateful, verify=verify, report=report)
+                            cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom,
+                            stateful=stateful, verify=verify, report=report)
         setattr(self, ENGINE_ATTR, CheckpointingEngine(settings, owner=type(self).__name__))
 
     # ------------------------------------------------------------------------------------------ what users read

@@ -1,12 +1,19 @@
 """Combinations refused before the first step: two owners of checkpointing, a strategy that checkpoints the
 model itself (Lightning FSDP's ``activation_checkpointing_policy``, DeepSpeed), DDP ``static_graph=True`` with a
-plan that can change."""
+plan that can change, ``group:K`` regions over FSDP-sharded blocks."""
 
 from __future__ import annotations
 
 from typing import Any, List, Sequence
 
-__all__ = ["ENGINE_ATTR", "check_strategy", "owners", "refuse_static_graph", "two_owners_message"]
+__all__ = [
+    "ENGINE_ATTR",
+    "check_strategy",
+    "owners",
+    "refuse_regions_across_shards",
+    "refuse_static_graph",
+    "two_owners_message",
+]
 
 ENGINE_ATTR = "_lightning_ckpt_engine"
 """Attribute under which a door keeps its engine; every object in ``trainer.callbacks`` with it is an owner."""
@@ -64,3 +71,40 @@ def _is_deepspeed(strategy: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(strategy, DeepSpeedStrategy)
+
+
+def refuse_regions_across_shards(strategy: Any, plan: Any, policies: Sequence[Any]) -> None:
+    """Refuse ``group:K`` when the blocks are sharded (FSDP2 ``fully_shard``, or Lightning's FSDP wrapping each
+    block): a group replays its inner blocks' forwards without going through ``Module.__call__``, so FSDP's
+    unshard hooks would not run and the replay would meet sharded parameters."""
+    grouped = [p for p in policies if p.layout(plan.num_blocks).groups]
+    if not grouped:
+        return
+    sharded = [name for name, block in zip(plan.names, plan.blocks) if _is_fsdp2(block)]
+    if not sharded and _is_fsdp1(strategy):
+        sharded = list(plan.names)
+    if sharded:
+        shown = ", ".join(sharded[:4]) + (" …" if len(sharded) > 4 else "")
+        raise ValueError(
+            f"policy {grouped[0].spec!r} replays several blocks as one region, but the blocks are sharded by FSDP "
+            f"({shown}): the replay would skip FSDP's unshard hooks. Use policy='all' or 'every:N' (each block is "
+            "its own region and replays inside its FSDP unit), or shard the model without per-block units.")
+
+
+def _is_fsdp2(module: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - torch without distributed
+            return False
+    return isinstance(module, FSDPModule)
+
+
+def _is_fsdp1(strategy: Any) -> bool:
+    try:
+        from lightning.pytorch.strategies import FSDPStrategy
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(strategy, FSDPStrategy)

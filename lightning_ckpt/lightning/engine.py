@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Union
 import torch
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt.core.policy import Policy
+from lightning_ckpt.core.policy import Policy, parse_policy
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.units import GiB
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
@@ -62,6 +62,9 @@ class CheckpointingEngine:
         self.settings = settings
         self.owner = owner
         self.plan: Optional[CheckpointPlan] = None
+        self.module: Optional["pl.LightningModule"] = None
+        self.on_accelerator = False
+        self._skipped: list = []
         self.controller: Optional[Controller] = None
         self.monitor: Optional[StepMonitor] = None
         self.calibration: Optional[BudgetCalibration] = None
@@ -75,6 +78,7 @@ class CheckpointingEngine:
         self._verified = False
         self._warned_no_logger = False
         self._handles: list = []  # forward pre-hook, replay hook
+        self._logging = self._deciding = False
         self._by_length: Dict[int, float] = {}  # sequence length -> activation bytes per sample (report)
         self._batch_shape: Optional[tuple] = None
 
@@ -106,8 +110,8 @@ class CheckpointingEngine:
             raise RuntimeError(conflicts.two_owners_message(found))
         conflicts.check_strategy(trainer.strategy)
         if stage == "fit":
-            if self.settings.auto_threshold is not None:
-                conflicts.refuse_static_graph(trainer.strategy, "auto_threshold")
+            if self.settings.changes_plan:
+                conflicts.refuse_static_graph(trainer.strategy, self.settings.changes_plan)
             shims.run_before_strategy_setup(trainer.strategy, self.apply)
             shims.install_optimizer_step_guard(trainer.strategy, self.guard.guarded_step)
 
@@ -117,7 +121,8 @@ class CheckpointingEngine:
         Idempotent: on a model that already holds a plan, that plan is re-targeted in place (nothing is wrapped
         twice), so ``fit`` twice or ``fit`` then ``validate`` keep one wrapping.
         """
-        model = trainer.lightning_module
+        model = self.module = trainer.lightning_module
+        self.on_accelerator = trainer.strategy.root_device.type != "cpu"
         existing = get_plan(model)
         if existing is not None and existing is not self.plan and existing.spec != self.policy.spec:
             warnings.warn(f"lightning_ckpt: the model already holds a plan with policy {existing.spec!r} set outside "
@@ -134,6 +139,7 @@ class CheckpointingEngine:
                                          cooldown=self.settings.cooldown,
                                          level=self.settings.ladder.index(self.policy.spec))
         self._check_replay_safety()
+        conflicts.refuse_regions_across_shards(trainer.strategy, self.plan, self._reachable_policies())
         if self._pending is not None:
             state, self._pending = self._pending, None
             self._restore(state)
@@ -145,6 +151,7 @@ class CheckpointingEngine:
         if self.plan is None:  # the strategy's setup was bypassed: apply now
             self.apply(trainer)
         s = self.settings
+        self.guard.configure(trainer)
         device = trainer.strategy.root_device
         self.monitor = StepMonitor(device, tokens_fn=s.tokens_fn, capacity=self.capacity,
                                    exact_every_n_steps=s.exact_every_n_steps)
@@ -171,6 +178,12 @@ class CheckpointingEngine:
                 if isinstance(logger, TensorBoardLogger):
                     logger.experiment.add_custom_scalars(tensorboard_layout(s.prefix))
 
+    def _reachable_policies(self) -> list:
+        """The policies this run may apply: the starting one, and the ladder when the plan can change."""
+        s = self.settings
+        ladder = s.ladder if s.auto_threshold is not None or s.on_oom == "escalate" else ()
+        return [self.policy, *(parse_policy(rung) for rung in ladder)]
+
     # ------------------------------------------------------------------------------------------ plan changes
     def change_plan(self, policy: Union[str, Policy], level: Optional[int] = None) -> None:
         """Switch the plan between optimizer steps; the one way a running plan changes (see the module doc)."""
@@ -186,9 +199,10 @@ class CheckpointingEngine:
         self._check_replay_safety()
 
     def _check_replay_safety(self) -> None:
-        skipped = preflight(self.plan, self.settings.stateful)
-        if skipped:
+        skipped = preflight(self.plan, self.settings.stateful, may_change=self.settings.changes_plan)
+        if skipped and skipped != self._skipped:
             self.info(f"kept {skipped} un-checkpointed (running statistics, stateful='skip').")
+        self._skipped = skipped
 
     # ------------------------------------------------------------------------------------------ the step
     def batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
@@ -203,9 +217,11 @@ class CheckpointingEngine:
             calibrating = self.calibration is not None and not self.calibration.done
             if calibrating:
                 self.calibration.begin_step()
+            self._logging, self._deciding = self._step_kind(trainer)
             # block hooks measure the calibration steps: compiled code runs eagerly for them
-            self.monitor.begin_step(measure=self._measuring_this_step(trainer), key=self._step_key(trainer, batch),
-                                    eager=calibrating)
+            measured = self._logging or self._deciding or calibrating
+            self.monitor.begin_step(measure=measured, key=self._step_key(trainer, batch) if measured else None,
+                                    eager=calibrating, tokens=self._logging)
         self.monitor.add_batch(batch)
 
     def _step_key(self, trainer: "pl.Trainer", batch: Any) -> tuple:
@@ -215,10 +231,11 @@ class CheckpointingEngine:
         shapes = tuple((tuple(t.shape), t.dtype) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
         return layout, shapes, str(trainer.precision), trainer.accumulate_grad_batches
 
-    def _measuring_this_step(self, trainer: "pl.Trainer") -> bool:
-        wanted = self.settings.measure and trainer._logger_connector.should_update_logs
-        calibrating = self.calibration is not None and not self.calibration.done
-        return bool(wanted or self.controller is not None or calibrating)
+    def _step_kind(self, trainer: "pl.Trainer") -> tuple:
+        """(logging step, decision step) for the optimizer step that starts now."""
+        logging = bool(self.settings.measure and trainer._logger_connector.should_update_logs)
+        deciding = self.controller is not None and trainer.global_step % self.settings.decide_every_n_steps == 0
+        return logging, deciding
 
     def before_backward(self) -> None:
         self.phase.backward_start()
@@ -237,13 +254,18 @@ class CheckpointingEngine:
         if result.ledger is None:
             return
         self._note_length(result)
-        metrics = reduce_across_ranks(trainer.strategy, result.metrics(self.settings.prefix))
+        metrics = result.metrics(self.settings.prefix)
+        if self._logging:  # every figure reduced across ranks: one collective
+            metrics = reduce_across_ranks(trainer.strategy, metrics)
+        elif self._deciding:  # only the activation line: one collective of one float
+            key = self._key("memory/activations_gib")
+            metrics = dict(metrics, **reduce_across_ranks(trainer.strategy, {key: metrics[key]}))
         if self.controller is not None:
             metrics[self._key("checkpointing/level")] = float(self.controller.level)
         self.last_metrics = metrics
-        if self.settings.measure and trainer._logger_connector.should_update_logs:
+        if self._logging:
             log_metrics(pl_module, metrics, self.settings.prefix)
-        if self.controller is not None:
+        if self._deciding:
             self._decide(trainer, metrics)
         if self.calibration is not None and not self.calibration.done and result.ledger.activations is not None:
             self.calibration.end_step(result.ledger.activations)

@@ -1,33 +1,107 @@
 """Errors of a training step, caught where they happen: out-of-memory (diagnosed, or retried one rung up) and a
 checkpointed block whose replay computed something different (named).
 
-Lightning runs forward and backward inside the closure it hands to ``strategy.optimizer_step``; the engine routes
-that call through :meth:`StepGuard.guarded_step` (:mod:`lightning_ckpt.lightning.shims`), so an error of the
-step is seen with the optimizer, the phase and the plan at hand.
+Lightning runs the last micro-batch's forward and backward inside the closure it hands to
+``strategy.optimizer_step``; the engine routes that call through :meth:`StepGuard.guarded_step`
+(:mod:`lightning_ckpt.lightning.shims`), so an error of the step is seen with the optimizer, the phase and the plan
+at hand.
+
+What an escalated retry guarantees (``on_oom="escalate"``, one process):
+
+- the same micro-batch is run again under the next rung that checkpoints more
+  (:func:`lightning_ckpt.decide.escalation.next_rung`), never a weaker plan; no optimizer step is applied twice
+  and no batch is skipped;
+- the gradients of the retried step equal those of a run without the error, to float32 rounding: an error in the
+  forward has touched no gradient; an error in the backward is taken back — with gradient accumulation, the
+  gradients the failed backward had already added to the earlier micro-batches' are subtracted again (the
+  backward's incoming gradients are kept aside while it runs, at most one more gradient line);
+- an error in an *earlier* micro-batch of an accumulation window happens outside the optimizer step (Lightning
+  runs it directly); it is diagnosed (a note on the error), not retried.
+
+Several processes (DDP, FSDP): a retry on one rank would meet its peers inside a collective of another step, so
+the rank stops with the diagnosis and publishes it in the process group's store; its peers stop when their
+collectives fail and carry that diagnosis on their own error: never a hang.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.checkpoint import CheckpointError
 
 from lightning_ckpt.decide.diagnosis import OutOfMemoryDiagnosis, diagnose, is_out_of_memory
+from lightning_ckpt.decide.escalation import stronger, stronger_rungs
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_ckpt.lightning.engine import CheckpointingEngine
 
-__all__ = ["StepGuard"]
+__all__ = ["GradientJournal", "StepGuard"]
+
+_STORE_KEY = "lightning_ckpt/out_of_memory"
+
+
+class GradientJournal:
+    """Keeps each parameter's incoming gradient of one backward, so that a failed backward can be taken back.
+
+    While active, a hook per parameter notes the gradient about to be accumulated (and whether ``.grad`` existed),
+    and a post-accumulate hook notes that it was added. :meth:`undo` subtracts what was added (or drops a
+    ``.grad`` the backward created). The incoming gradients stay alive until :meth:`close`.
+    """
+
+    def __init__(self, params: List[torch.nn.Parameter]) -> None:
+        self.incoming: Dict[int, Tuple[torch.nn.Parameter, torch.Tensor, bool]] = {}
+        self.added: List[int] = []
+        self.handles = []
+        for p in params:
+            if p.requires_grad:
+                self.handles.append(p.register_hook(self._note_incoming(p)))
+                self.handles.append(p.register_post_accumulate_grad_hook(self._note_added))
+
+    def _note_incoming(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            self.incoming[id(p)] = (p, grad, p.grad is None)
+            return grad
+
+        return hook
+
+    def _note_added(self, p: torch.nn.Parameter) -> None:
+        self.added.append(id(p))
+
+    @torch.no_grad()
+    def undo(self) -> None:
+        for key in self.added:
+            p, grad, was_none = self.incoming[key]
+            if was_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.sub_(grad)
+        self.added.clear()
+        self.incoming.clear()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.incoming.clear()
+        self.added.clear()
 
 
 class StepGuard:
-    """Out-of-memory handling and replay-error naming for one engine."""
+    """Out-of-memory handling and replay-error naming for one engine (see the module docstring)."""
 
     def __init__(self, engine: "CheckpointingEngine") -> None:
         self.engine = engine
         self.replaying: Optional[str] = None  # the region replayed last: named when its replay misbehaves
+        self.world_size = 1
+        self.accumulating = False
+        self.store: Any = None
+
+    def configure(self, trainer: Any) -> None:
+        """Read what the retry depends on from the Trainer (at setup)."""
+        self.world_size = trainer.world_size
+        self.accumulating = trainer.accumulate_grad_batches > 1
 
     def note_replay(self, owner: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A replay hook (:func:`~lightning_ckpt.core.replay.register_replay_hook`): remember who replays."""
@@ -44,12 +118,14 @@ class StepGuard:
             f"'Diagnosis' (replay safety). Original error: {err}"
         )
 
+    # ------------------------------------------------------------------------------------------ the step
     def guarded_step(self, original: Callable[..., Any], optimizer: Any, closure: Callable[[], Any],
                      *args: Any, **kwargs: Any) -> Any:
         """Run ``strategy.optimizer_step`` with a closure that retries on OOM (escalate) or diagnoses it."""
 
         def retrying_closure() -> Any:
             while True:
+                journal = self._journal()
                 try:
                     return closure()
                 except CheckpointError as err:
@@ -57,8 +133,13 @@ class StepGuard:
                 except Exception as err:  # noqa: BLE001 - only out-of-memory errors are handled
                     if not is_out_of_memory(err):
                         raise
-                    if not self._escalate(optimizer, err):
-                        raise self.diagnosis(err) from err
+                    if journal is not None:
+                        journal.undo()
+                    if not self._escalate(err):
+                        raise self._stop(err) from err
+                finally:
+                    if journal is not None:
+                        journal.close()
 
         try:
             return original(optimizer, retrying_closure, *args, **kwargs)
@@ -66,29 +147,42 @@ class StepGuard:
             raise
         except Exception as err:  # noqa: BLE001
             if is_out_of_memory(err):
-                raise self.diagnosis(err) from err
+                raise self._stop(err) from err
             raise
 
-    def _escalate(self, optimizer: Any, err: BaseException) -> bool:
-        """Free what the failed step held and move one rung up; ``False`` when that is not possible."""
+    def _journal(self) -> Optional[GradientJournal]:
+        """A journal only where a retry would otherwise double-count: escalation on, earlier micro-batches' grads."""
+        engine = self.engine
+        if engine.settings.on_oom != "escalate" or not self.accumulating or self.world_size > 1 \
+                or engine.module is None:
+            return None
+        return GradientJournal(list(engine.module.parameters()))
+
+    def _escalate(self, err: BaseException) -> bool:
+        """Free what the failed attempt held and move to a stronger plan; ``False`` when that is not possible."""
         engine = self.engine
         plan = engine.plan
-        if engine.settings.on_oom != "escalate" or plan is None:
+        if engine.settings.on_oom != "escalate" or plan is None or self.world_size > 1:
             return False
-        rungs = list(engine.settings.ladder)
-        level = rungs.index(plan.spec) if plan.spec in rungs else -1
-        if level + 1 >= len(rungs):
+        ladder, before, spec, policy = engine.settings.ladder, plan.layout, plan.spec, plan.policy
+        for rung in stronger_rungs(before, ladder, accelerator=engine.on_accelerator):
+            engine.change_plan(rung, level=list(ladder).index(rung))
+            # stronger as applied: the safety checks may keep some blocks off (stateful="skip")
+            if stronger(plan.layout, before, accelerator=engine.on_accelerator):
+                break
+        else:
+            if plan.layout != before:
+                engine.change_plan(policy)
             return False
-        optimizer.zero_grad(set_to_none=True)
-        err.__traceback__ = None  # the traceback's frames hold the failed step's tensors
+        err.__traceback__ = None  # the traceback's frames hold the failed attempt's tensors
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         phase = engine.phase.phase
-        engine.change_plan(rungs[level + 1], level=level + 1)
         engine.phase.batch_start()
-        engine.info(f"out of memory in the {phase.replace('_', ' ')} phase; retrying the same batch with policy "
-                    f"{rungs[level + 1]!r} ({plan.num_checkpointed}/{plan.num_blocks} blocks checkpointed)")
+        engine.info(f"out of memory in the {phase.replace('_', ' ')} phase under policy {spec!r}; retrying the "
+                    f"same micro-batch with policy {plan.spec!r} ({plan.num_checkpointed}/{plan.num_blocks} blocks "
+                    "checkpointed)")
         return True
 
     def diagnosis(self, err: BaseException) -> OutOfMemoryDiagnosis:
@@ -96,11 +190,53 @@ class StepGuard:
         lines = {k.split("memory/")[-1].removesuffix("_gib"): v for k, v in engine.last_metrics.items()
                  if "memory/" in k}
         text = diagnose(engine.phase.phase, lines, engine.capacity)
-        if engine.settings.on_oom == "escalate":
-            text += f"\nThe escalation ladder {list(engine.settings.ladder)} is exhausted."
+        plan = engine.plan
+        if engine.settings.on_oom == "escalate" and self.world_size > 1:
+            text += (f"\nNot retried: with {self.world_size} processes a retry on one rank would meet its peers "
+                     "inside another collective; every rank stops. Raise the policy (e.g. policy='all') and resume.")
+        elif engine.settings.on_oom == "escalate":
+            current = plan.spec if plan is not None else "none"
+            text += (f"\nNo rung of the ladder {list(engine.settings.ladder)} checkpoints more than the current "
+                     f"plan {current!r}: the escalation is exhausted.")
         return OutOfMemoryDiagnosis(f"{text}\nOriginal error: {err}", engine.phase.phase)
 
+    def _stop(self, err: BaseException) -> OutOfMemoryDiagnosis:
+        diagnosis = self.diagnosis(err)
+        if self.world_size > 1:
+            self._publish(str(diagnosis))
+        return diagnosis
+
+    def _publish(self, text: str) -> None:
+        """Leave the diagnosis in the process group's store, for the peers that stop because this rank did."""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                rank = dist.get_rank()
+                dist.distributed_c10d._get_default_store().set(_STORE_KEY, f"rank {rank}: {text}")
+        except Exception:  # noqa: BLE001 - the diagnosis is raised on this rank whatever happens here
+            pass
+
+    def _published(self) -> Optional[str]:
+        try:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                return None
+            store = dist.distributed_c10d._get_default_store()
+            return store.get(_STORE_KEY).decode() if store.check([_STORE_KEY]) else None
+        except Exception:  # noqa: BLE001 - a store that is gone: nothing to add
+            return None
+
     def annotate(self, exception: BaseException) -> None:
-        """An OOM that escaped the guarded closure (a gradient-accumulation micro-batch): add the diagnosis."""
-        if is_out_of_memory(exception) and not isinstance(exception, OutOfMemoryDiagnosis):
+        """Add the diagnosis to an error that escaped the guarded closure: an OOM in an earlier micro-batch of an
+        accumulation window, or a peer's collective failing because another rank ran out of memory."""
+        if isinstance(exception, OutOfMemoryDiagnosis):
+            return
+        if is_out_of_memory(exception):
             exception.add_note(str(self.diagnosis(exception)))
+        elif self.world_size > 1:
+            published = self._published()
+            if published:
+                exception.add_note(f"lightning_ckpt: this rank stopped because another ran out of memory — "
+                                   f"{published}")

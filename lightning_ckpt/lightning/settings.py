@@ -44,6 +44,7 @@ class Settings:
     ladder: Optional[Sequence[str]] = None
     release: float = 0.8
     cooldown: int = 20
+    decide_every_n_steps: int = 1
     on_oom: str = "raise"
     stateful: str = "warn"
     verify: bool = False
@@ -70,9 +71,13 @@ class Settings:
                        level=self.ladder.index(self.start.spec))
 
     @property
-    def plan_can_change(self) -> bool:
-        """Whether the plan may change during training (auto-toggle, budget, escalation)."""
-        return self.auto_threshold is not None or self.budget is not None or self.on_oom == "escalate"
+    def changes_plan(self) -> str:
+        """The option that may change the plan during training (``""`` when the plan is fixed), for messages."""
+        if self.auto_threshold is not None:
+            return "auto_threshold"
+        if self.budget is not None:
+            return f"policy={self.budget.spec!r}"
+        return "on_oom='escalate'" if self.on_oom == "escalate" else ""
 
     def _check_choices(self) -> None:
         if self.on_oom not in ON_OOM:
@@ -82,6 +87,10 @@ class Settings:
         n = self.exact_every_n_steps
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"exact_every_n_steps={n!r} must be an integer ≥ 0 (0 = never).")
+        n = self.decide_every_n_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"decide_every_n_steps={n!r} must be an integer ≥ 1 (optimizer steps between two "
+                             "auto-toggle decisions).")
         if not isinstance(self.prefix, str):
             raise TypeError(f"prefix={self.prefix!r} must be a string such as 'ac' (or '' for none).")
         for name in ("measure", "verify", "report"):

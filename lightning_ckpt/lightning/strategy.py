@@ -79,6 +79,7 @@ class ActivationCheckpointingMixin:
         ladder: Optional[List[str]] = None,
         release: float = 0.8,
         cooldown: int = 20,
+        decide_every_n_steps: int = 1,
         on_oom: Literal["raise", "escalate"] = "raise",
         stateful: Literal["warn", "skip", "error"] = "warn",
         verify: bool = False,
@@ -89,7 +90,8 @@ class ActivationCheckpointingMixin:
             policy=policy, blocks=blocks, preserve_rng_state=preserve_rng_state, determinism_check=determinism_check,
             debug=debug, measure=measure, exact_every_n_steps=exact_every_n_steps, tokens_fn=tokens_fn,
             prefix=prefix, auto_threshold=auto_threshold, capacity=capacity, ladder=ladder, release=release,
-            cooldown=cooldown, on_oom=on_oom, stateful=stateful, verify=verify, report=report)
+            cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom, stateful=stateful,
+            verify=verify, report=report)
         callback._engine.owner = type(self).__name__
         super().__init__(*args, **kwargs)
         self.checkpointing = callback

@@ -30,18 +30,18 @@ __all__ = ["StepMonitor", "StepResult"]
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step measured on this rank."""
+    """What one optimizer step measured on this rank (``tokens`` is ``None`` when they were not counted)."""
 
     reading: Optional[StepReading]
     ledger: Optional[Ledger]
-    tokens: int
+    tokens: Optional[int]
     samples: int
     step_s: float
     checkpointed_blocks: int
 
     @property
     def tokens_per_sec(self) -> float:
-        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+        return (self.tokens or 0) / self.step_s if self.step_s > 0 else 0.0
 
     @property
     def samples_per_sec(self) -> float:
@@ -51,8 +51,9 @@ class StepResult:
         """Every metric name of DESIGN.md that this step measured (GiB floats for memory)."""
         root = f"{prefix}/" if prefix else ""
         out = dict(self.ledger.as_metrics(prefix=f"{root}memory")) if self.ledger is not None else {}
-        out[f"{root}throughput/tokens_per_sec"] = self.tokens_per_sec
-        out[f"{root}throughput/samples_per_sec"] = self.samples_per_sec
+        if self.tokens is not None:
+            out[f"{root}throughput/tokens_per_sec"] = self.tokens_per_sec
+            out[f"{root}throughput/samples_per_sec"] = self.samples_per_sec
         out[f"{root}time/step_s"] = self.step_s
         out[f"{root}checkpointing/blocks"] = float(self.checkpointed_blocks)
         return out
@@ -81,6 +82,7 @@ class StepMonitor:
         self._samples = 0
         self._open = False
         self._ledger_wanted = False
+        self._counting = False
 
     def watch(self, model: nn.Module) -> None:
         self.meter.watch(model)
@@ -89,30 +91,34 @@ class StepMonitor:
     def in_step(self) -> bool:
         return self._open
 
-    def begin_step(self, measure: bool, key: Any = None, eager: bool = False) -> None:
+    def begin_step(self, measure: bool, key: Any = None, eager: bool = False, tokens: Optional[bool] = None) -> None:
         """Start an optimizer step; ``measure`` counts activations and builds the ledger at the end.
 
         ``key`` (what determines the step's memory: plan, batch shapes, precision) makes the first step of each key
-        an exact reference step (see :mod:`lightning_ckpt.measure.meter`); ``eager`` runs compiled code eagerly.
+        an exact reference step (see :mod:`lightning_ckpt.measure.meter`); ``eager`` runs compiled code eagerly;
+        ``tokens`` (default: ``measure``) counts tokens and samples for the throughput lines. A step that is not
+        measured touches nothing: no hook, no allocator counter reset (other tools' peaks stay as they are).
         """
         if self._paused_at is not None:  # paused without resume(): time from here on
             self._last_end, self._paused_at = None, None
         if self._last_end is None:
             self._last_end = time.perf_counter()
-        exact = bool(measure and self.exact_every_n_steps and self._measured % self.exact_every_n_steps == 0)
-        self.meter.start_step(exact=exact, activations=measure, key=key, eager=eager)
+        if measure:
+            exact = bool(self.exact_every_n_steps and self._measured % self.exact_every_n_steps == 0)
+            self.meter.start_step(exact=exact, key=key, eager=eager)
         self._ledger_wanted = measure
+        self._counting = measure if tokens is None else tokens
         self._tokens, self._samples, self._open = 0, 0, True
 
     def add_batch(self, batch: Any) -> None:
-        if not self._ledger_wanted:  # counts are only read on measured steps: no work (or GPU op) otherwise
+        if not self._counting:  # counts are only read on logging steps: no work (or GPU op) otherwise
             return
         self._tokens = self._tokens + count_tokens(batch, self.tokens_fn)
         self._samples += count_samples(batch)
 
     def end_step(self, model: nn.Module, optimizers: Iterable[Any], checkpointed_blocks: int) -> StepResult:
         """Close the step; the ledger is built only when the step was measured."""
-        reading = self.meter.stop_step()
+        reading = self.meter.stop_step() if self._ledger_wanted else None
         now = time.perf_counter()
         step_s = now - (self._last_end if self._last_end is not None else now)
         self._last_end = now
@@ -121,10 +127,9 @@ class StepMonitor:
         if self._ledger_wanted:
             self._measured += 1
             ledger = build_ledger(model, list(optimizers), reading, capacity=self.capacity, device=self.meter.device)
-        # a token count on the GPU is read only on measured steps: reading it waits for the device
-        tokens = int(self._tokens) if self._ledger_wanted else 0
-        return StepResult(reading if self._ledger_wanted else None, ledger, tokens, self._samples, step_s,
-                          checkpointed_blocks)
+        # a token count on the GPU is read only on logging steps: reading it waits for the device
+        tokens = int(self._tokens) if self._counting else None
+        return StepResult(reading, ledger, tokens, self._samples, step_s, checkpointed_blocks)
 
     def pause(self) -> None:
         """Time from now until :meth:`resume` is not part of any step (validation runs between steps).
