@@ -101,6 +101,52 @@ class ActivationPeakTracker(MemTracker):
                 self.act_peak[dev] = act
 
 
+class PhasePeakTracker(MemTracker):
+    """``MemTracker`` with a running peak of its Total line per phase of a training step.
+
+    :meth:`phase` starts a phase (``"forward"``, ``"backward"``, ``"optimizer"``): its peak starts from what is
+    live at that moment, so a phase's figure is the highest memory reached while it ran, everything tracked
+    included (the external model and optimizer state, and every tensor created inside the context).
+
+    Attributes:
+        phase_peaks: ``{phase: bytes}`` on ``device`` (the maximum over repeated phases, e.g. micro-batches).
+    """
+
+    def __init__(self, device: torch.device = _CPU) -> None:
+        super().__init__()
+        self.device = device
+        self.phase_peaks: Dict[str, int] = {}
+        self._phase: Optional[str] = None
+
+    def _total(self) -> int:
+        return int(self._curr_mem_snap.get(self.device, {}).get("Total", 0))
+
+    def phase(self, name: str) -> None:
+        self._phase = name
+        self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self._total())
+
+    def _update_snap(self, *args, **kwargs) -> None:  # type: ignore[override]
+        super()._update_snap(*args, **kwargs)
+        if self._phase is not None:
+            self.phase_peaks[self._phase] = max(self.phase_peaks[self._phase], self._total())
+
+
+def measure_phase_peaks(phases: List[Tuple[str, Callable[[], None]]], external: Tuple = ()) -> Dict[str, int]:
+    """Run ``phases`` (``[(name, fn), ...]``, in order) under one :class:`PhasePeakTracker`; its phase peaks.
+
+    ``external`` (modules, optimizers, tensors that exist before the call) are registered with ``track_external``.
+    """
+    gc.collect()
+    tracker = PhasePeakTracker()
+    if external:
+        tracker.track_external(*external)
+    with tracker:
+        for name, fn in phases:
+            tracker.phase(name)
+            fn()
+    return dict(tracker.phase_peaks)
+
+
 @dataclass
 class MemoryReading:
     """One tracked step, in bytes (CPU device)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -16,7 +17,7 @@ from lightning_ckpt.forecast.numbers import (
     forecast_from_numbers,
 )
 from lightning_ckpt.forecast.precision import PRECISIONS
-from lightning_ckpt.forecast.trace import forecast_model
+from lightning_ckpt.forecast.trace import DEVICES, forecast_model
 
 __all__ = ["add_parser", "run"]
 
@@ -63,6 +64,16 @@ def add_parser(sub) -> None:
                         "forward runs under that precision's autocast (weight cache off as in Lightning's Trainer, "
                         "'+cache' on), or the parameters are cast")
     p.add_argument("--capacity", default=None, help="device capacity, e.g. 24GiB")
+    p.add_argument("--device", default=None, choices=list(DEVICES),
+                   help="--model: whose kernels' saved tensors to reproduce (dropout masks, attention backend, "
+                        "autocast lists); default cuda when --capacity is given, else cpu")
+    p.add_argument("--sdpa-backend", default=None, metavar="BACKEND",
+                   help="--model --device cuda: scaled_dot_product_attention backend: auto (default: what PyTorch "
+                        "would pick for the dtype, head size, mask and dropout), flash, efficient or math")
+    p.add_argument("--foreach", default=None, action=argparse.BooleanOptionalAction,
+                   help="the optimizer's multi-tensor step, which holds a parameter-sized temporary per moment "
+                        "(--model default: torch's default on --device, on for cuda; numbers default: off, as a "
+                        "fused step)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="numbers: none, all, every:N, group:K; --model: any policy (selective too)")
     p.add_argument("--json", action="store_true", help="print one JSON object (bytes) instead of a table")
@@ -88,7 +99,7 @@ def run(args) -> int:
                          f"the model); got --params={args.params!r} and --model={args.model!r}.")
     if args.model is not None:
         return _run_plan_model(args)
-    for name in ("init_args", "config", "vocab_size", "precision"):
+    for name in ("init_args", "config", "vocab_size", "precision", "device", "sdpa_backend"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} only applies with --model; drop it or pass --model.")
     for name, value in _NUMBERS_DEFAULTS.items():
@@ -102,7 +113,7 @@ def run(args) -> int:
         moment_dtype=args.moment_dtype, master_dtype=args.master_dtype, layers=args.layers, hidden=args.hidden,
         micro_batch=args.micro_batch, seq_len=args.seq_len, act_dtype=args.act_dtype, heads=args.heads,
         tensors_per_block=args.tensors_per_block, attention=args.attention,
-        capacity=capacity,
+        capacity=capacity, foreach=bool(args.foreach),
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
     )
     forecast = forecast_from_numbers(inputs)
@@ -121,19 +132,24 @@ def _run_plan_model(args) -> int:
     if args.vocab_size is not None and args.vocab_size < 1:
         raise ValueError(f"--vocab-size={args.vocab_size!r} must be a positive integer.")
     capacity = _capacity(args.capacity)
+    device = args.device or ("cuda" if capacity is not None else "cpu")
+    if args.sdpa_backend is not None and device != "cuda":
+        raise ValueError(f"--sdpa-backend={args.sdpa_backend!r} only applies with --device cuda (the CPU runs its own "
+                         "kernel); drop it or pass --device cuda.")
     _, kwargs, _ = load_init_args(args.init_args, args.config)
     t0 = time.perf_counter()
     forecast = forecast_model(args.model, kwargs, micro_batch=args.micro_batch, seq_len=args.seq_len,
                               policies=parse_policy_list(args.policies), param_dtype=args.param_dtype,
                               optimizer=args.optimizer, master_dtype=args.master_dtype, capacity=capacity,
-                              vocab_size=args.vocab_size, precision=args.precision or "32-true")
+                              vocab_size=args.vocab_size, precision=args.precision or "32-true", device=device,
+                              sdpa_backend=args.sdpa_backend or "auto", foreach=args.foreach)
     if args.json:
         print(json.dumps(forecast.as_json(), indent=2))
         return 0
     print(f"model {forecast.model}: {forecast.num_params / 1e9:.3f} B parameters, {forecast.blocks} blocks of "
           f"{forecast.block_class}, "
-          f"micro-batch {args.micro_batch} × {args.seq_len} tokens, precision {forecast.precision}; traced on fake "
-          "tensors in "
+          f"micro-batch {args.micro_batch} × {args.seq_len} tokens, precision {forecast.precision}, device "
+          f"{forecast.device} ({_device_note(forecast)}); traced on fake tensors in "
           f"{time.perf_counter() - t0:.1f} s (nothing allocated)")
     print(_table(forecast))
     replays = {p: v for p, v in forecast.replay_interior.items() if v}
@@ -141,6 +157,15 @@ def _run_plan_model(args) -> int:
         print("largest replay transient (one region's interior while it is recomputed, included above): "
               + ", ".join(f"{p} {format_bytes(v)}" for p, v in replays.items()))
     return 0
+
+
+def _device_note(forecast) -> str:
+    inputs = forecast.inputs
+    foreach = inputs.get("foreach")
+    step = "torch's default optimizer step" if foreach is None else f"foreach={foreach}"
+    if forecast.device == "cpu":
+        return f"CPU kernels' saved tensors, {step}"
+    return f"CUDA kernels' saved tensors, attention backend {inputs.get('sdpa_backend')}, {step}"
 
 
 def _table(forecast: LedgerForecast) -> str:
@@ -155,16 +180,20 @@ def _table(forecast: LedgerForecast) -> str:
                 f"{forecast.block_interior / MiB:.0f} MiB")
     copies = getattr(forecast, "autocast_copies", {})
     with_copies = any(copies.values())
-    rows.append(f"{'policy':<14}{'activations GiB':>17}" + (f"{'autocast copies GiB':>21}" if with_copies else "")
-                + f"{'peak GiB':>10}  verdict")
+    rows.append(f"{'policy':<14}{'activations':>12}" + (f"{'copies':>9}" if with_copies else "")
+                + f"{'forward':>10}{'backward':>10}{'optimizer':>10}  verdict (GiB; the highest phase decides)")
     for policy, act in forecast.activations.items():
-        verdict = "capacity unknown (pass --capacity)"
+        phases = forecast.phase_peaks[policy]
+        top = forecast.peak_phase[policy]
+        verdict = f"peak in {top}; capacity unknown (pass --capacity)"
         if cap:
             crossing = forecast.crosses[policy]
-            verdict = (f"fits, {(cap - forecast.peak[policy]) / GiB:.2f} GiB to spare" if crossing is None
-                       else f"does not fit: the {crossing} line crosses {cap / GiB:.0f} GiB")
-        extra = f"{copies[policy] / GiB:>21.2f}" if with_copies else ""
-        rows.append(f"{policy:<14}{act / GiB:>17.2f}{extra}{forecast.peak[policy] / GiB:>10.2f}  {verdict}")
+            verdict = (f"fits, {(cap - forecast.peak[policy]) / GiB:.2f} GiB to spare at the {top} peak"
+                       if crossing is None else
+                       f"does not fit: the {crossing} line crosses {cap / GiB:.0f} GiB in the {top} phase")
+        extra = f"{copies[policy] / GiB:>9.2f}" if with_copies else ""
+        cells = "".join(f"{phases[name] / GiB:>10.2f}" for name in ("forward", "backward", "optimizer"))
+        rows.append(f"{policy:<14}{act / GiB:>12.2f}{extra}{cells}  {verdict}")
     return "\n".join(rows)
 
 

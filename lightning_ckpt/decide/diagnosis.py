@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional
 
-__all__ = ["PHASES", "OutOfMemoryDiagnosis", "PhaseTracker", "diagnose", "is_out_of_memory"]
+__all__ = ["METER_PHASE", "PHASES", "OutOfMemoryDiagnosis", "PhaseTracker", "diagnose", "is_out_of_memory",
+           "phase_forecast"]
 
 PHASES = ("before_forward", "forward", "backward", "first_optimizer_step", "optimizer_step")
 
@@ -91,12 +92,43 @@ class PhaseTracker:
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
 
 
-def diagnose(phase: str, ledger_lines: Optional[Mapping[str, float]] = None, capacity: Optional[int] = None) -> str:
-    """The text for an out-of-memory error in ``phase``, with the last measured ledger (GiB values)."""
+# the step phases the meter measures (``memory/peak_{phase}_gib``) for each phase an error can happen in
+METER_PHASE = {"before_forward": "forward", "forward": "forward", "backward": "backward",
+               "first_optimizer_step": "optimizer", "optimizer_step": "optimizer"}
+
+
+def phase_forecast(phase: str, phase_peaks: Mapping[str, int], capacity: Optional[int]) -> Optional[str]:
+    """What the last measured step's phase peaks (bytes) say about an error in ``phase``: which phase's peak
+    crosses capacity, or how close the dying phase came (``None`` without phase peaks)."""
+    if not phase_peaks:
+        return None
+    own = METER_PHASE[phase]
+    shown = ", ".join(f"{name} {v / 2**30:.3f} GiB" + (f" ({v / capacity:.0%})" if capacity else "")
+                      for name, v in phase_peaks.items())
+    text = f"Phase peaks of the last measured step: {shown}."
+    if capacity:
+        crossing = [name for name, v in phase_peaks.items() if v > capacity]
+        if crossing:
+            text += f" The {' and '.join(crossing)} peak crossed capacity"
+            text += "." if own in crossing else f"; this error came in the {own} phase, which had fit."
+        elif own in phase_peaks:
+            margin = (capacity - phase_peaks[own]) / 2**30
+            text += (f" No phase had crossed capacity: the {own} phase peaked {margin:.3f} GiB below it, so this step "
+                     "was larger (longer sequence, new plan) or memory grew (fragmentation, a leak).")
+    return text
+
+
+def diagnose(phase: str, ledger_lines: Optional[Mapping[str, float]] = None, capacity: Optional[int] = None,
+             phase_peaks: Optional[Mapping[str, int]] = None) -> str:
+    """The text for an out-of-memory error in ``phase``, with the last measured ledger (GiB values) and, when
+    measured, the last step's phase peaks (bytes; see :func:`phase_forecast`)."""
     if phase not in _SUSPECTS:
         raise ValueError(f"phase={phase!r} is not one of {list(PHASES)}.")
     label = phase.replace("_", " ")
     lines = [f"lightning_ckpt: CUDA out of memory during the {label} phase — {_SUSPECTS[phase]}"]
+    forecast = phase_forecast(phase, phase_peaks or {}, capacity)
+    if forecast:
+        lines.append(forecast)
     if ledger_lines:
         cap = f" of {capacity / 2**30:.2f} GiB capacity" if capacity else ""
         lines.append(f"Ledger at the last measured step{cap}:")

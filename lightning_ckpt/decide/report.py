@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from lightning_ckpt.core.units import GiB
 from lightning_ckpt.measure.ledger import Ledger
 
-__all__ = ["copies_advice", "ledger_report", "length_reading", "loglog_slope", "report_text", "suggest_policy"]
+__all__ = ["copies_advice", "ledger_report", "length_reading", "loglog_slope", "phase_advice", "report_text",
+           "suggest_policy"]
 
 _FRAGMENTATION_SHARE = 0.25  # reserved − allocated above this share of reserved reads as fragmentation
 _COPIES_SHARE = 0.25  # autocast copies above this share of the activation line are worth a sentence
@@ -75,6 +76,31 @@ def copies_advice(ledger: Ledger) -> Optional[str]:
             "those.")
 
 
+def phase_advice(ledger: Ledger) -> Optional[str]:
+    """The seed's advice for the phase in which the step peaks (``None`` without phase peaks).
+
+    Optimizer phase: checkpointing will not help; backward: the replay transient or the gradients; forward: the
+    activations.
+    """
+    phase = ledger.peak_phase
+    if phase is None:
+        return None
+    peaks = ledger.phase_peaks or {}
+    dominant = ledger.phase_dominant(phase)
+    head = (f"The step peaks in the {phase} phase ({peaks[phase] / GiB:.3f} GiB; "
+            + ", ".join(f"{name} {v / GiB:.3f}" for name, v in peaks.items() if name != phase)
+            + f"), where the {dominant} line is the largest.")
+    if phase == "optimizer":
+        return (head + " Checkpointing will not help here: the model state and the update's temporaries peak after "
+                "every activation is freed. Use a fused optimizer step (AdamW(fused=True) holds no parameter-sized "
+                "temporaries, foreach=True holds one), a smaller optimizer state, sharding or offload.")
+    if phase == "backward":
+        return (head + " In backward, gradients build while activations are freed and each checkpointed region's "
+                "replay adds its interior: use smaller regions (no 'group:K'), or shard or accumulate the "
+                "gradients in a lower precision when the grads line leads.")
+    return head + " In the forward the activations pile up: checkpointing (or a smaller micro-batch) is the lever."
+
+
 def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: Optional[Dict[str, Any]] = None,
                   all_checkpointed: bool = False) -> Dict[str, Any]:
     """A JSON-able report: lines (bytes and GiB), shares of capacity, the dominant line and the advice."""
@@ -90,9 +116,9 @@ def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: O
             f"Reserved exceeds allocated by {ledger.cache / GiB:.2f} GiB: that is the allocator's cache and "
             "fragmentation, not live tensors; calling empty_cache() changes the display, not the workload."
         )
-    copies = copies_advice(ledger)
-    if copies:
-        advice.append(copies)
+    for extra in (phase_advice(ledger), copies_advice(ledger)):
+        if extra:
+            advice.append(extra)
     quadratic = (history or {}).get("activations_vs_seq_len")
     if quadratic:
         advice.append(quadratic)
@@ -105,6 +131,10 @@ def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: O
         "peak_reserved": ledger.peak_reserved,
         "capacity": cap,
         "dominant": dominant,
+        "phases": {name: {"bytes": int(v), "gib": v / GiB, "share_of_capacity": (v / cap) if cap else None,
+                          "dominant": ledger.phase_dominant(name)}
+                   for name, v in (ledger.phase_peaks or {}).items()},
+        "peak_phase": ledger.peak_phase,
         "policy": policy,
         "advice": advice,
     }
@@ -123,6 +153,12 @@ def report_text(report: Dict[str, Any]) -> str:
         rows.append(f"    optimizer {dtype:<8}{size / GiB:>8.3f}")
     if report["master"]:
         rows.append(f"    master copies {report['master'] / GiB:>8.3f}")
+    if report.get("phases"):
+        rows.append(f"  {'phase peak':<14}{'GiB':>10}" + (f"{'% of capacity':>16}" if cap else "") + "  largest line")
+        for name, phase in report["phases"].items():
+            mark = "  <- the step's peak" if name == report["peak_phase"] else ""
+            share = f"{phase['share_of_capacity']:>16.1%}" if cap else ""
+            rows.append(f"  {name:<14}{phase['gib']:>10.3f}{share}  {phase['dominant']}{mark}")
     if cap:
         rows.append(f"  capacity {cap / GiB:.2f} GiB")
     rows.extend(f"  - {line}" for line in report["advice"])

@@ -313,8 +313,23 @@ def optimizers_from(configured: Any) -> List[torch.optim.Optimizer]:
     return []
 
 
-def make_optimizers(model: nn.Module, name: Optional[str] = None, lr: float = 1e-3) -> List[torch.optim.Optimizer]:
-    """``name`` (one of :data:`TORCH_OPTIMIZERS`), or the module's ``configure_optimizers``, or AdamW."""
+def make_optimizers(model: nn.Module, name: Optional[str] = None, lr: float = 1e-3,
+                    foreach: Optional[bool] = None) -> List[torch.optim.Optimizer]:
+    """``name`` (one of :data:`TORCH_OPTIMIZERS`), or the module's ``configure_optimizers``, or AdamW.
+
+    ``foreach`` (``None``: the optimizer's own default, which is ``True`` on CUDA and ``False`` on the CPU) is set on
+    every parameter group: the multi-tensor implementation holds parameter-sized temporaries during ``step()``.
+    """
+    opts = _build_optimizers(model, name, lr)
+    if foreach is not None:
+        for opt in opts:
+            for group in opt.param_groups:
+                if "foreach" in group:
+                    group["foreach"] = foreach
+    return opts
+
+
+def _build_optimizers(model: nn.Module, name: Optional[str], lr: float) -> List[torch.optim.Optimizer]:
     if name is None and callable(getattr(model, "configure_optimizers", None)):
         try:
             with warnings.catch_warnings():

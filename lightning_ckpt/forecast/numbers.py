@@ -30,10 +30,13 @@ from lightning_ckpt.core.policy import EveryPolicy, GroupPolicy, parse_policy
 __all__ = [
     "DTYPE_BYTES",
     "OPTIMIZER_MOMENTS",
+    "PHASE_LINES",
     "ForecastInputs",
     "LedgerForecast",
     "crossing_line",
     "forecast_from_numbers",
+    "optimizer_temporaries",
+    "phase_crossing",
 ]
 
 DTYPE_BYTES: Dict[str, int] = {
@@ -70,6 +73,7 @@ class ForecastInputs:
     attention: str = "fused"
     capacity: Optional[int] = None
     policies: Tuple[str, ...] = DEFAULT_POLICIES
+    foreach: bool = False
 
     def __post_init__(self) -> None:
         for name in ("params", "layers", "hidden", "micro_batch", "seq_len", "heads", "tensors_per_block"):
@@ -91,7 +95,13 @@ class ForecastInputs:
 
 @dataclass(frozen=True)
 class LedgerForecast:
-    """The predicted ledger; every figure in bytes."""
+    """The predicted ledger; every figure in bytes.
+
+    ``phase_peaks[policy]`` holds the peak of the step's ``forward`` (model state + activations), ``backward``
+    (gradients building while activations are freed, plus the replay transient) and ``optimizer`` phase (model
+    state + the optimizer step's temporaries); ``peak[policy]`` is the highest of the three, the figure the
+    verdict (``fits``) uses.
+    """
 
     params: int
     grads: int
@@ -107,6 +117,12 @@ class LedgerForecast:
     fits: Dict[str, Optional[bool]]
     crosses: Dict[str, Optional[str]]
     inputs: Dict[str, object] = field(default_factory=dict)
+    phase_peaks: Dict[str, Dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def peak_phase(self) -> Dict[str, str]:
+        """Per policy, the phase (``forward``, ``backward``, ``optimizer``) whose peak is the step's peak."""
+        return {p: max(by_phase, key=by_phase.get) for p, by_phase in self.phase_peaks.items() if by_phase}
 
     def as_json(self) -> Dict[str, object]:
         return asdict(self)
@@ -131,12 +147,38 @@ def forecast_from_numbers(inputs: ForecastInputs) -> LedgerForecast:
     if inputs.attention == "eager":
         interior += 5 * inputs.heads * inputs.seq_len**2 * inputs.micro_batch
     activations = {p: _policy_activations(p, inputs.layers, hidden_tensor, interior) for p in inputs.policies}
-    peak = {p: model_state + a for p, a in activations.items()}
+    temporaries = optimizer_temporaries(n, inputs.optimizer, inputs.moment_dtype, inputs.foreach)
+    phases = {p: {"forward": model_state + a, "backward": model_state + a, "optimizer": model_state + temporaries}
+              for p, a in activations.items()}
+    peak = {p: max(by_phase.values()) for p, by_phase in phases.items()}
     fits = {p: None if inputs.capacity is None else v <= inputs.capacity for p, v in peak.items()}
-    crosses = {p: crossing_line(params, grads, optimizer, master, activations[p], inputs.capacity)
-               for p in inputs.policies}
+    crosses = {p: phase_crossing(crossing_line(params, grads, optimizer, master, activations[p], inputs.capacity),
+                                 phases[p], inputs.capacity) for p in inputs.policies}
     return LedgerForecast(params, grads, optimizer, master, model_state, hidden_tensor, inputs.layers * hidden_tensor,
-                      interior, activations, peak, inputs.capacity, fits, crosses, asdict(inputs))
+                          interior, activations, peak, inputs.capacity, fits, crosses, asdict(inputs), phases)
+
+
+def optimizer_temporaries(params: float, optimizer: str, moment_dtype: str, foreach: bool) -> int:
+    """Bytes the optimizer step holds beyond the model state, from numbers: the multi-tensor (``foreach``)
+    Adam/AdamW step builds ``sqrt(v)`` for every parameter at once (one moment-sized copy, torch's
+    ``_multi_tensor_adam``); the single-tensor step holds one parameter's worth at a time (left out here; the
+    ``--model`` trace counts it). SGD and momentum update in place."""
+    if not foreach or optimizer.lower() not in ("adam", "adamw"):
+        return 0
+    return round(params * _dtype_bytes(moment_dtype, "--moment-dtype"))
+
+
+PHASE_LINES = {"forward": "activations", "backward": "backward's gradients and replay",
+               "optimizer": "optimizer step's temporaries"}
+
+
+def phase_crossing(line: Optional[str], phase_peaks: Dict[str, int], capacity: Optional[int]) -> Optional[str]:
+    """What crosses capacity: the ledger line (``line``, from :func:`crossing_line`) when one does, otherwise the
+    transient of the phase that peaks above capacity (``None`` when every phase fits)."""
+    if line is not None or capacity is None or not phase_peaks:
+        return line
+    phase = max(phase_peaks, key=phase_peaks.get)
+    return PHASE_LINES[phase] if phase_peaks[phase] > capacity else None
 
 
 def _policy_activations(policy: str, layers: int, boundary: int, interior: int) -> int:

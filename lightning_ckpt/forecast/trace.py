@@ -11,10 +11,22 @@ and one forward and backward is run on a fake batch under the activation meter i
 of every checkpointed region while it is replayed in backward (the *replay transient*); autocast's low-precision
 copies of the weights are their own line. ``precision`` (a Lightning name, see
 :mod:`lightning_ckpt.forecast.precision`) runs the forward under the autocast that precision uses, or casts the
-parameters. After the first backward the real optimizer steps once on the
-fake parameters, and the model-state lines (parameters, gradients, optimizer state, master copies) are walked by
-:func:`lightning_ckpt.measure.ledger.model_state_bytes` from the tensors the optimizer actually creates: exact,
-not estimated. What is loaded and how the loss is found: :mod:`lightning_ckpt.forecast.load`.
+parameters. What is loaded and how the loss is found: :mod:`lightning_ckpt.forecast.load`.
+
+**The step is traced as Lightning runs it, at steady state**: a first fake step creates the optimizer state and
+leaves gradients; then, per policy, one step in Lightning's order — forward, ``zero_grad`` (Lightning calls it
+between ``training_step`` and ``backward``), backward, ``optimizer.step()`` — is measured with the meter's phase
+peaks (:meth:`~lightning_ckpt.measure.meter.StepMeter.phase`): everything live, the model state included, at the
+peak of the forward, of the backward (gradients building while activations are freed, plus the replay transient)
+and of the optimizer step (``foreach`` temporaries, measured from the optimizer torch really runs). ``peak`` is the
+highest phase; the model-state lines (parameters, gradients, optimizer state, master copies) are walked by
+:func:`lightning_ckpt.measure.ledger.model_state_bytes` from the tensors the optimizer actually created: exact, not
+estimated.
+
+**Device** (``device="cuda"``, the CLI's default when a capacity is given): the trace runs on the CPU under
+:func:`lightning_ckpt.forecast.cuda.cuda_semantics`, which makes autograd save what CUDA kernels save (dropout
+masks, the attention backend, autocast's op lists; every rule and its source are in that module). ``foreach``
+follows torch's default for the device (on for CUDA) unless given.
 
 Known limitations:
     - Code that reads tensor *values* (``.item()``, data-dependent shapes, ``if mask.all()``) cannot run on fake
@@ -26,28 +38,33 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import itertools
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt._deprecation import renamed
 from lightning_ckpt.core.policy import parse_policy
 from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing
 from lightning_ckpt.forecast.load import TORCH_OPTIMIZERS, build_model, make_batch, make_optimizers, step_loss
-from lightning_ckpt.forecast.numbers import DTYPE_BYTES, LedgerForecast, crossing_line
+from lightning_ckpt.forecast.numbers import DTYPE_BYTES, LedgerForecast, crossing_line, phase_crossing
 from lightning_ckpt.forecast.precision import Precision, parse_precision
-from lightning_ckpt.measure.ledger import model_state_bytes
+from lightning_ckpt.measure.ledger import model_state_bytes, state_tensors
 from lightning_ckpt.measure.meter import StepMeter
 
-__all__ = ["DEFAULT_POLICIES", "ModelForecast", "cast_floating", "forecast_model", "parse_dtype"]
+__all__ = ["DEFAULT_POLICIES", "DEVICES", "ModelForecast", "cast_floating", "forecast_model", "parse_dtype"]
 
 DEFAULT_POLICIES = ("none", "every:2", "group:sqrt", "all")
+DEVICES = ("cpu", "cuda")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
 
@@ -67,6 +84,7 @@ class ModelForecast(LedgerForecast):
             autocast).
         precision: the Lightning precision name the step was traced in.
         trace_s: per policy, seconds the fake forward and backward took.
+        device: whose kernels the trace reproduced (``"cpu"`` or ``"cuda"``).
     """
 
     autocast_copies: Dict[str, int] = field(default_factory=dict)
@@ -77,6 +95,7 @@ class ModelForecast(LedgerForecast):
     block_class: str = ""
     replay_interior: Dict[str, int] = field(default_factory=dict)
     trace_s: Dict[str, float] = field(default_factory=dict)
+    device: str = "cpu"
 
 
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
@@ -119,6 +138,9 @@ def forecast_model(
     vocab_size: Optional[int] = None,
     blocks: Any = None,
     precision: str = "32-true",
+    device: str = "cpu",
+    sdpa_backend: str = "auto",
+    foreach: Optional[bool] = None,
 ) -> ModelForecast:
     """Forecast the ledger of ``target`` per policy without allocating it (see the module docstring).
 
@@ -138,6 +160,11 @@ def forecast_model(
         blocks: block selector for :func:`~lightning_ckpt.core.blocks.find_blocks`.
         precision: a Lightning precision name (``"bf16-mixed"``, ``"bf16-true"``, ...; see
             :data:`lightning_ckpt.forecast.precision.PRECISIONS`).
+        device: ``"cpu"`` or ``"cuda"``: whose kernels' saved tensors to reproduce (``"cuda"`` applies the rules of
+            :mod:`lightning_ckpt.forecast.cuda`; the trace still runs on the CPU).
+        sdpa_backend: with ``device="cuda"``: ``"auto"`` (the backend PyTorch would pick), ``"flash"``,
+            ``"efficient"`` or ``"math"``.
+        foreach: the optimizer's multi-tensor step (``None``: torch's default on ``device``, on for CUDA).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -163,6 +190,8 @@ def forecast_model(
     if optimizer is not None and optimizer.lower() not in TORCH_OPTIMIZERS:
         raise ValueError(f"--optimizer={optimizer!r} cannot be built with --model; choose one of "
                          f"{list(TORCH_OPTIMIZERS)} (or omit it to use the module's configure_optimizers()).")
+    if device not in DEVICES:
+        raise ValueError(f"--device={device!r} is not a device the planner reproduces; choose one of {list(DEVICES)}.")
     label = target if isinstance(target, str) else getattr(target, "__qualname__", repr(target))
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -188,64 +217,122 @@ def forecast_model(
     activations: Dict[str, int] = {}
     copies: Dict[str, int] = {}
     interiors: Dict[str, int] = {}
+    phases: Dict[str, Dict[str, int]] = {}
     times: Dict[str, float] = {}
-    state = None
+    semantics = _semantics(device, sdpa_backend, mode)
     try:
+        opts = make_optimizers(model, optimizer, foreach=_default_foreach(device, foreach))
+        with warnings.catch_warnings(), fake, semantics():
+            warnings.simplefilter("ignore")
+            # a first step creates the optimizer state and leaves gradients, as every step after the first finds
+            _trace_step(model, batch, label, "none", mode, opts)
+            state = model_state_bytes(model, opts)
         for policy in policies:
             plan.retarget(policy)
-            for p in model.parameters():
-                p.grad = None
             gc.collect()
             t0 = time.perf_counter()
             meter = StepMeter(next(model.parameters()).device, model=model)
+            live = itertools.chain(state_tensors(model, opts),
+                                   (t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                with fake, meter.step(exact=True) as box:
-                    _trace_step(model, batch, label, policy, mode)
-                    if state is None:
-                        opts = make_optimizers(model, optimizer)
-                        for opt in opts:
-                            opt.step()
-                        state = model_state_bytes(model, opts)
-                        del opts
+                with fake, semantics(), meter.step(exact=True, state=live) as box:
+                    _trace_step(model, batch, label, policy, mode, opts, meter)
             times[policy] = time.perf_counter() - t0
             activations[policy] = box.reading.activations
             copies[policy] = box.reading.autocast_copies or 0
             interiors[policy] = meter.largest_replay_interior
+            phases[policy] = dict(box.reading.phase_peaks or {})
     finally:
         hook.remove()
         remove_checkpointing(model)
-    assert state is not None
     params, grads, master = state.params, state.grads, state.master
     opt_bytes = state.optimizer - state.master
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    master += n_trainable * DTYPE_BYTES[master_key]
+    extra_master = n_trainable * DTYPE_BYTES[master_key]  # not held by a torch optimizer: alive in every phase
+    master += extra_master
     total = params + grads + opt_bytes + master
-    peak = {p: total + a + copies[p] for p, a in activations.items()}
+    phases = {p: {name: v + extra_master for name, v in by_phase.items()} for p, by_phase in phases.items()}
+    peak = {p: max(by_phase.values()) for p, by_phase in phases.items()}
     fits = {p: None if capacity is None else v <= capacity for p, v in peak.items()}
-    crosses = {p: crossing_line(params, grads, opt_bytes, master, activations[p], capacity, copies[p])
-               for p in policies}
+    crosses = {p: phase_crossing(crossing_line(params, grads, opt_bytes, master, activations[p], capacity, copies[p]),
+                                 phases[p], capacity) for p in policies}
     single = [v for p, v in interiors.items() if v and parse_policy(p).name != "group"]
     block_interior = interiors.get("all") or (min(single) if single else max(interiors.values(), default=0))
     inputs = dict(model=label, init_args=dict(init_args or {}), micro_batch=micro_batch, seq_len=seq_len,
                   policies=list(policies), param_dtype=param_dtype, optimizer=optimizer, master_dtype=master_dtype,
-                  capacity=capacity, vocab_size=vocab_size, precision=mode.name)
+                  capacity=capacity, vocab_size=vocab_size, precision=mode.name, device=device,
+                  sdpa_backend=sdpa_backend, foreach=foreach)
     return ModelForecast(
         params=params, grads=grads, optimizer=opt_bytes, master=master, model_state=total,
         hidden_tensor=boundary["bytes"], boundary_all=boundary["bytes"] * num_blocks, block_interior=block_interior,
         activations=activations, peak=peak, capacity=capacity, fits=fits, crosses=crosses, inputs=inputs,
-        model=label, num_params=sum(p.numel() for p in model.parameters()), blocks=num_blocks,
+        phase_peaks=phases, model=label, num_params=sum(p.numel() for p in model.parameters()), blocks=num_blocks,
         block_class=block_class, replay_interior=interiors, trace_s=times, autocast_copies=copies,
-        precision=mode.name,
+        precision=mode.name, device=device,
     )
 
 
-def _trace_step(model: nn.Module, batch: Any, label: str, policy: str, precision: Precision) -> None:
-    """One fake forward and backward; what fake tensors cannot run becomes a ``ValueError`` naming the model."""
+@contextlib.contextmanager
+def _hf_masks_as_on_real_tensors() -> Iterator[None]:
+    """Hugging Face's mask builder treats a fake tensor as tracing: it cannot read the position ids, assumes packed
+    sequences and materialises the causal mask, which a real step skips (``is_causal=True``, the flash kernel on
+    CUDA). The traced batch holds one sequence per row, as the synthetic batch does, so it is not packed."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def as_real(position_ids):
+        return None if is_fake(position_ids) else original(position_ids)
+
+    masking.find_packed_sequence_indices = as_real
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def _default_foreach(device: str, foreach: Optional[bool]) -> Optional[bool]:
+    """torch's optimizers default to ``foreach`` on CUDA only; the trace runs on CPU fake tensors, so say it."""
+    if foreach is None and device == "cuda":
+        return True
+    return foreach
+
+
+def _semantics(device: str, sdpa_backend: str, precision: Precision) -> Callable[[], ContextManager]:
+    """What the trace runs under so that autograd saves what ``device`` would save."""
+    if device == "cpu":
+        return _hf_masks_as_on_real_tensors
+    from lightning_ckpt.forecast.cuda import cuda_semantics
+
+    @contextlib.contextmanager
+    def semantics() -> Iterator[None]:
+        with _hf_masks_as_on_real_tensors(), cuda_semantics(sdpa_backend, precision.autocast_dtype):
+            yield
+
+    return semantics
+
+
+def _trace_step(model: nn.Module, batch: Any, label: str, policy: str, precision: Precision,
+                optimizers: Sequence[torch.optim.Optimizer], meter: Optional[StepMeter] = None) -> None:
+    """One fake training step in Lightning's order: forward, ``zero_grad`` (Lightning calls it between
+    ``training_step`` and ``backward``), backward, ``optimizer.step()``; ``meter`` is told the phase boundaries.
+    What fake tensors cannot run becomes a ``ValueError`` naming the model."""
     try:
         with precision.forward_context("cpu"):
             loss = step_loss(model, batch)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        if meter is not None:
+            meter.phase("backward")
         loss.backward()
+        del loss
+        if meter is not None:
+            meter.phase("optimizer")
+        for opt in optimizers:
+            opt.step()
     except (ValueError, TypeError):
         raise
     except Exception as err:  # data-dependent code and other things fake tensors cannot run

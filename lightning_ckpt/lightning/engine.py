@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -35,6 +35,7 @@ from lightning_ckpt.lightning import conflicts, shims
 from lightning_ckpt.lightning.metrics import log_metrics, reduce_across_ranks, tensorboard_layout
 from lightning_ckpt.lightning.recovery import StepGuard
 from lightning_ckpt.lightning.settings import Settings
+from lightning_ckpt.measure.ledger import state_tensors
 from lightning_ckpt.measure.meter import device_capacity
 from lightning_ckpt.measure.monitor import StepMonitor, StepResult
 from lightning_ckpt.measure.tokens import count_samples, sequence_length
@@ -221,15 +222,21 @@ class CheckpointingEngine:
             # block hooks measure the calibration steps: compiled code runs eagerly for them
             measured = self._logging or self._deciding or calibrating
             self.monitor.begin_step(measure=measured, key=self._step_key(trainer, batch) if measured else None,
-                                    eager=calibrating, tokens=self._logging)
+                                    eager=calibrating, tokens=self._logging,
+                                    state=_step_tensors(pl_module, trainer.optimizers, batch))
+        else:  # the next micro-batch of an accumulation window
+            self.monitor.phase("forward")
         self.monitor.add_batch(batch)
 
     def _step_key(self, trainer: "pl.Trainer", batch: Any) -> tuple:
-        """What determines a step's memory: the plan, the batch's shapes, the precision, the accumulation."""
+        """What determines a step's memory: the plan, the batch's shapes, the precision, the accumulation, and
+        whether the optimizer state exists yet (the first step creates it: its phase peaks are not the steady
+        state's, so the second step is the steady state's reference)."""
         plan = self.plan
         layout = (plan.modes, plan.layout.groups, plan.layout.save_ops) if plan is not None else None
         shapes = tuple((tuple(t.shape), t.dtype) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
-        return layout, shapes, str(trainer.precision), trainer.accumulate_grad_batches
+        steady = all(bool(getattr(opt, "state", None)) for opt in trainer.optimizers)
+        return layout, shapes, str(trainer.precision), trainer.accumulate_grad_batches, steady
 
     def _step_kind(self, trainer: "pl.Trainer") -> tuple:
         """(logging step, decision step) for the optimizer step that starts now."""
@@ -239,9 +246,13 @@ class CheckpointingEngine:
 
     def before_backward(self) -> None:
         self.phase.backward_start()
+        if self.monitor is not None:
+            self.monitor.phase("backward")
 
     def before_optimizer_step(self) -> None:
         self.phase.optimizer_step_start()
+        if self.monitor is not None:
+            self.monitor.phase("optimizer")
 
     def batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """After the last micro-batch of an optimizer step: read, reduce, log and decide."""
@@ -413,3 +424,9 @@ def _check_state(state: Any) -> Optional[Dict[str, Any]]:
     if unknown:
         warnings.warn(f"lightning_ckpt: ignoring unknown keys {unknown} in saved state.", UserWarning, stacklevel=3)
     return state
+
+
+def _step_tensors(pl_module: "pl.LightningModule", optimizers: Any, batch: Any) -> Iterator[torch.Tensor]:
+    """The model state and the batch: what is live when a step starts (read lazily, on exact steps only)."""
+    yield from state_tensors(pl_module, optimizers)
+    yield from (t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))

@@ -17,7 +17,8 @@ __all__ = ["TENSORBOARD_LAYOUT", "log_metrics", "reduce_across_ranks", "tensorbo
 
 
 def tensorboard_layout(prefix: str) -> Dict[str, Dict[str, List[Any]]]:
-    """The custom-scalars layout: the ledger lines in one "Memory" chart beside "Throughput" and "Checkpointing"."""
+    """The custom-scalars layout: the ledger lines in one "Memory" chart beside "Throughput", "Phases" (the peak of
+    the forward, the backward and the optimizer step) and "Checkpointing"."""
     root = f"{prefix}/" if prefix else ""
     memory = [f"{root}memory/{k}_gib" for k in
               ("peak_allocated", "peak_reserved", "activations", "autocast_copies", "params", "grads", "optimizer",
@@ -27,6 +28,8 @@ def tensorboard_layout(prefix: str) -> Dict[str, Dict[str, List[Any]]]:
         "Throughput": {"tokens/s": ["Multiline", [f"{root}throughput/tokens_per_sec"]],
                        "samples/s": ["Multiline", [f"{root}throughput/samples_per_sec"]],
                        "step time (s)": ["Multiline", [f"{root}time/step_s"]]},
+        "Phases": {"peak per phase (GiB)": ["Multiline", [f"{root}memory/peak_{phase}_gib"
+                                                          for phase in ("forward", "backward", "optimizer")]]},
         "Checkpointing": {"blocks and level": ["Multiline", [f"{root}checkpointing/blocks",
                                                              f"{root}checkpointing/level"]]},
     }

@@ -189,7 +189,8 @@ class StepGuard:
         engine = self.engine
         lines = {k.split("memory/")[-1].removesuffix("_gib"): v for k, v in engine.last_metrics.items()
                  if "memory/" in k}
-        text = diagnose(engine.phase.phase, lines, engine.capacity)
+        last = engine.last_result.ledger if engine.last_result is not None else None
+        text = diagnose(engine.phase.phase, lines, engine.capacity, last.phase_peaks if last is not None else None)
         plan = engine.plan
         if engine.settings.on_oom == "escalate" and self.world_size > 1:
             text += (f"\nNot retried: with {self.world_size} processes a retry on one rank would meet its peers "

@@ -158,6 +158,26 @@ def _as_optimizers(optimizers: Any) -> Sequence[Any]:
     return list(optimizers)
 
 
+def state_tensors(model: nn.Module, optimizers: Union[Any, Iterable[Any], None] = ()) -> Iterator[torch.Tensor]:
+    """Every tensor of the model state: parameters, their gradients, the optimizer's own parameters (master copies)
+    and their gradients, and every tensor of the optimizer state (a DTensor as its local shard). Duplicates are
+    possible; counting is the caller's (see :func:`model_state_bytes`)."""
+    for p in model.parameters():
+        yield _local(p)
+        if p.grad is not None:
+            yield _local(p.grad)
+    for opt in _as_optimizers(optimizers):
+        for group in getattr(opt, "param_groups", ()):
+            for p in group.get("params", ()):
+                if isinstance(p, torch.Tensor):
+                    yield _local(p)
+                    if p.grad is not None:
+                        yield _local(p.grad)
+        for state in getattr(opt, "state", {}).values():
+            for _, t in _tensors(state):
+                yield _local(t)
+
+
 def model_state_bytes(
     model: nn.Module,
     optimizers: Union[Any, Iterable[Any], None] = (),
@@ -225,6 +245,8 @@ class Ledger:
         other: ``peak_allocated`` minus the four lines above, floored at 0 (CUDA only).
         cache: ``peak_reserved − peak_allocated`` (CUDA only).
         capacity: total device memory, when known.
+        phase_peaks: peak bytes of the step's ``forward``, ``backward`` and ``optimizer`` phases (the whole
+            memory: model state included), when measured.
     """
 
     params: int
@@ -239,6 +261,34 @@ class Ledger:
     other: Optional[int] = None
     cache: Optional[int] = None
     capacity: Optional[int] = None
+    phase_peaks: Optional[Dict[str, int]] = None
+
+    @property
+    def peak_phase(self) -> Optional[str]:
+        """The phase in which the step peaked (``None`` without phase peaks)."""
+        if not self.phase_peaks:
+            return None
+        return max(self.phase_peaks, key=lambda name: self.phase_peaks[name])
+
+    def phase_lines(self, phase: str) -> Dict[str, int]:
+        """What is live at ``phase``'s peak, line by line: the model state's lines, then the activations (forward,
+        backward; the replay transient and the gradients building are in these lines and the rest) or the
+        optimizer step's ``temporaries`` (optimizer), and ``rest``: the phase peak minus the lines named."""
+        peak = (self.phase_peaks or {}).get(phase)
+        if peak is None:
+            return {}
+        lines = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+        if phase == "optimizer":
+            lines["temporaries"] = max(peak - sum(lines.values()), 0)
+        else:
+            lines["activations"] = (self.activations or 0) + (self.autocast_copies or 0)
+            lines["rest"] = max(peak - sum(lines.values()), 0)
+        return lines
+
+    def phase_dominant(self, phase: Optional[str] = None) -> Optional[str]:
+        """The largest line at the peak of ``phase`` (default: the phase in which the step peaked)."""
+        lines = self.phase_lines(phase or self.peak_phase or "")
+        return max(lines, key=lines.get) if lines else None
 
     @property
     def model_state(self) -> int:
@@ -265,7 +315,7 @@ class Ledger:
         """GiB floats keyed ``{prefix}/params_gib`` ... ; unmeasured (``None``) lines are left out.
 
         Keys: ``params_gib``, ``grads_gib``, ``optimizer_gib``, ``activations_gib``, ``autocast_copies_gib``,
-        ``peak_allocated_gib``,
+        ``peak_allocated_gib``, ``peak_forward_gib``, ``peak_backward_gib``, ``peak_optimizer_gib``,
         ``peak_reserved_gib``, ``other_gib``, ``cache_gib``, and ``optimizer_master_gib`` (part of
         ``optimizer_gib``) only when master copies exist.
         """
@@ -280,6 +330,7 @@ class Ledger:
             "other": self.other,
             "cache": self.cache,
             "optimizer_master": self.master or None,
+            **{f"peak_{phase}": v for phase, v in (self.phase_peaks or {}).items()},
         }
         root = f"{prefix}/" if prefix else ""
         return {f"{root}{name}_gib": v / GiB for name, v in values.items() if v is not None}
@@ -362,4 +413,5 @@ def build_ledger(
         other=other,
         cache=cache,
         capacity=capacity,
+        phase_peaks=reading.phase_peaks if reading is not None else None,
     )

@@ -40,6 +40,13 @@ calls ``ACT`` (outputs of the forward and of checkpoint recomputation), taken as
 step. In exact mode ``activations`` is the exact figure. Exact steps run with the compiler's stance set to
 ``force_eager``: compiled regions run their Python, so replays and operators are seen.
 
+**Phases** (:meth:`StepMeter.phase`, called at the start of each micro-batch's forward, before its backward and
+before the optimizer step): ``phase_peaks`` holds the peak memory of the forward, the backward and the optimizer
+phase (the maximum over the step's micro-batches). On CUDA they are the allocator's peaks, reset at each boundary
+(host-side counters, no sync). On the CPU, exact steps follow every storage of the step (the model state at its
+start included, until freed) with a second, ungated live-tensor count; other steps of a key report their
+reference step's phase peaks.
+
 **Reference steps** (``start_step(key=...)``): the first step of each key — the caller's description of what
 determines the step's memory: the plan, the batch shapes, the precision — is measured exactly; later steps of the
 same key are measured in the default mode and corrected by the difference the reference step saw between the two
@@ -68,7 +75,7 @@ import contextlib
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -94,6 +101,8 @@ class StepReading:
         autocast_copies: peak bytes of low-precision copies of parameters made by autocast, on exact steps and on
             steps of a calibrated key (``None`` otherwise); never part of ``activations``.
         reference: this step was the exact reference step of its key.
+        phase_peaks: ``{"forward", "backward", "optimizer"}`` peak bytes of the step's phases (see the module
+            docstring); ``None`` when not measured.
         peak_allocated: peak bytes allocated by the CUDA caching allocator during the step (``None`` off CUDA).
         peak_reserved: peak bytes reserved by the allocator (allocated plus its cache; ``None`` off CUDA).
         replays: checkpointed regions replayed in backward during the step.
@@ -112,6 +121,7 @@ class StepReading:
     wall_s: float = 0.0
     autocast_copies: Optional[int] = None
     reference: bool = False
+    phase_peaks: Optional[Dict[str, int]] = None
 
     @property
     def exact(self) -> bool:
@@ -227,6 +237,10 @@ class StepMeter:
         self._replay_handle = None
         self._stance: Any = None
         self._key: Any = None
+        self._total: Optional[LiveBytes] = None  # every storage of the step, on exact CPU steps (phases)
+        self._phase: Optional[str] = None
+        self._phase_peaks: Dict[str, int] = {}
+        self._reserved_peak = 0
         self._replay_depth = 0
         self._open = False
         self._t0 = 0.0
@@ -269,7 +283,7 @@ class StepMeter:
 
     # -- the step
     def start_step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
-                   eager: bool = False) -> None:
+                   eager: bool = False, state: Iterable[torch.Tensor] = ()) -> None:
         """Reset the allocator peaks (no sync) and start counting activations.
 
         Args:
@@ -278,6 +292,8 @@ class StepMeter:
             key: a hashable description of what determines this step's memory (plan, batch shapes, precision);
                 the first step of a key is an exact reference step, later ones are corrected by it.
             eager: run compiled code eagerly this step (exact steps always do), e.g. while block hooks measure.
+            state: the tensors of the model state (:func:`lightning_ckpt.measure.ledger.state_tensors`), so that an
+                exact step's phase peaks on the CPU include them.
         """
         if self._open:
             warnings.warn("lightning_ckpt: StepMeter.start_step() called while a step was open; the open step "
@@ -299,9 +315,36 @@ class StepMeter:
             self._saved.hooks.__enter__()
         if exact:
             self._live = LiveBytes(self.device, gate=torch.is_grad_enabled)
+            if not _has_allocator_counters(self.device):  # the allocator gives phase peaks on CUDA
+                self._total = LiveBytes(self.device)
+                self._total.adopt(state)
+                self._total.__enter__()
             self._live.__enter__()
+        self._phase_peaks = {}
+        self._reserved_peak = 0
+        self._phase = "forward"
         self._open = True
         self._t0 = time.perf_counter()
+
+    def phase(self, name: str) -> None:
+        """A phase boundary: ``"forward"`` (a micro-batch starts), ``"backward"`` or ``"optimizer"``."""
+        if not self._open:
+            return
+        self._close_phase()
+        self._phase = name
+
+    def _close_phase(self) -> None:
+        """Fold the running peak into the current phase's and restart it (host-side only, no sync)."""
+        peak = None
+        if _has_allocator_counters(self.device):
+            peak, reserved = cuda_peaks(self.device)
+            self._reserved_peak = max(self._reserved_peak, reserved)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._total is not None:
+            peak = self._total.total_peak
+            self._total.reset_peak()
+        if peak is not None and self._phase is not None:
+            self._phase_peaks[self._phase] = max(self._phase_peaks.get(self._phase, 0), peak)
 
     def stop_step(self) -> StepReading:
         """Stop counting and read every figure of the step (no device sync)."""
@@ -310,20 +353,23 @@ class StepMeter:
                                "first forward of the optimizer step.")
         wall = time.perf_counter() - self._t0
         saved, live = self._saved, self._live
-        self.close()
+        self._close_phase()  # the last phase
+        phases, self._phase_peaks = dict(self._phase_peaks), {}
         peak_allocated = peak_reserved = None
-        if _has_allocator_counters(self.device):
-            peak_allocated, peak_reserved = cuda_peaks(self.device)
+        if _has_allocator_counters(self.device):  # each phase reset the counters: the step's peak is the highest
+            peak_allocated, peak_reserved = max(phases.values(), default=0), self._reserved_peak
+        self.close()
         estimate = saved.peak if saved is not None else None
         exact = live.peak if live is not None else None
         activations, copies = (exact, live.copies_peak) if live is not None else (estimate, None)
         key, reference = self._key, False
         if key is not None and exact is not None:
-            self._references[key] = _Reference(exact, live.copies_peak, exact - estimate, self._replays)
+            self._references[key] = _Reference(exact, live.copies_peak, exact - estimate, self._replays, phases)
             reference = True
         elif key is not None and estimate is not None:
             ref = self._references[key]
             copies = ref.copies
+            phases = phases or dict(ref.phases)
             # replays unseen (compiled backward): the saved-tensor figure lacks the transient; the reference has it
             activations = ref.exact if self._replays != ref.replays else estimate + ref.offset
         reading = StepReading(
@@ -337,16 +383,18 @@ class StepMeter:
             wall_s=wall,
             autocast_copies=copies,
             reference=reference,
+            phase_peaks=phases or None,
         )
         self.last = reading
         return reading
 
     @contextlib.contextmanager
     def step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
-             eager: bool = False) -> Iterator["_ReadingBox"]:
+             eager: bool = False, state: Iterable[torch.Tensor] = ()) -> Iterator["_ReadingBox"]:
         """``with meter.step() as box: ...`` then ``box.reading``; the step is closed even on an exception."""
         box = _ReadingBox()
-        self.start_step(exact=exact, activations=activations, key=key, eager=eager)
+        self.start_step(exact=exact, activations=activations, key=key, eager=eager, state=state)
+        del state  # a list of the model state would keep last step's gradients alive through the step
         try:
             yield box
         except BaseException:
@@ -359,6 +407,9 @@ class StepMeter:
         if self._live is not None:
             live, self._live = self._live, None
             exit_mode(live)
+        if self._total is not None:
+            total, self._total = self._total, None
+            exit_mode(total)
         if self._saved is not None:
             saved, self._saved = self._saved, None
             exit_saved_hooks(saved)
@@ -413,6 +464,7 @@ class _Reference:
     copies: int
     offset: int
     replays: int
+    phases: Dict[str, int]
 
 
 class _ReadingBox:

@@ -37,7 +37,9 @@ def storages(t: torch.Tensor):
     """The untyped storages behind ``t`` (several for a traceable wrapper subclass); empty when it has none."""
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
-        return [s for a in attrs for s in storages(getattr(t, a))]
+        # DTensor lists its device mesh among the attributes (torch >= 2.10): only tensors have storages
+        inner = (getattr(t, a) for a in attrs)
+        return [s for x in inner if isinstance(x, torch.Tensor) for s in storages(x)]
     try:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, meta without storage, ...
@@ -157,7 +159,7 @@ class LiveBytes(TorchDispatchMode):
 
     Copies of parameters — what ``_to_copy`` returns for an ``nn.Parameter``: the low-precision weights autocast
     makes, held by its cache or saved for backward — are counted apart, in ``copies_live`` / ``copies_peak``;
-    ``live`` / ``peak`` count everything else.
+    ``live`` / ``peak`` count everything else; ``total_peak`` is the running peak of the two together.
     """
 
     def __init__(self, device: torch.device, skip: Optional[Dict[int, Any]] = None,
@@ -169,6 +171,7 @@ class LiveBytes(TorchDispatchMode):
         self.tracked: Dict[int, _StorageRef] = {}
         self.live = self.peak = 0
         self.copies_live = self.copies_peak = 0
+        self.total_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -188,6 +191,20 @@ class LiveBytes(TorchDispatchMode):
                     self._add(st, key, copy)
         return out
 
+    def adopt(self, tensors) -> None:
+        """Count tensors that exist already (the model state at the start of a step), until they are freed."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device == self.device:
+                for st in storages(t):
+                    key = storage_key(st)
+                    if key not in self.tracked and key not in self.skip:
+                        self._add(st, key, False)
+
+    def reset_peak(self) -> None:
+        """Start a new running peak from what is live now (a phase boundary)."""
+        self.peak, self.copies_peak = self.live, self.copies_live
+        self.total_peak = self.live + self.copies_live
+
     def _add(self, st, key: int, copy: bool) -> None:
         ref = _StorageRef(st, self._freed)
         ref.key, ref.copy = key, copy
@@ -199,6 +216,7 @@ class LiveBytes(TorchDispatchMode):
         else:
             self.live += n
             self.peak = max(self.peak, self.live)
+        self.total_peak = max(self.total_peak, self.live + self.copies_live)
 
     def _freed(self, ref: _StorageRef) -> None:
         if self.tracked.get(ref.key) is ref:

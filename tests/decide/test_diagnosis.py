@@ -60,3 +60,18 @@ def test_diagnosis_is_an_oom_chained_to_the_original():
     assert err.value.__cause__ is original and err.value.phase == "forward"
     assert is_out_of_memory(original) and not is_out_of_memory(ValueError("x"))
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate"))
+
+
+def test_phase_peaks_say_which_phase_crossed_capacity():
+    from lightning_ckpt.decide.diagnosis import diagnose
+
+    GiB = 2**30
+    peaks = {"forward": 10 * GiB, "backward": 12 * GiB, "optimizer": 17 * GiB}
+    text = diagnose("optimizer_step", {"params_gib": 4.0}, capacity=16 * GiB, phase_peaks=peaks)
+    assert "Phase peaks of the last measured step: forward 10.000 GiB (62%)" in text
+    assert "The optimizer peak crossed capacity." in text
+    text = diagnose("forward", None, capacity=16 * GiB, phase_peaks=peaks)
+    assert "this error came in the forward phase, which had fit" in text
+    text = diagnose("backward", None, capacity=20 * GiB, phase_peaks=peaks)
+    assert "the backward phase peaked 8.000 GiB below it" in text
+    assert "Phase peaks" not in diagnose("backward", None, capacity=20 * GiB)

@@ -76,3 +76,13 @@ def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "lightning_ckpt"] + SEED + ["--json"], capture_output=True,
                          text=True, check=True).stdout
     assert json.loads(out)["model_state"] == 20_800_000_000
+
+
+def test_phase_peaks_from_numbers_and_the_foreach_temporary():
+    fused = _seed_plan()
+    assert fused.phase_peaks["all"]["optimizer"] == fused.model_state  # a fused step holds no temporaries
+    assert fused.phase_peaks["none"]["forward"] == fused.model_state + fused.activations["none"]
+    foreach = _seed_plan(foreach=True)  # one fp32 sqrt(v) per parameter during the multi-tensor Adam step
+    assert foreach.phase_peaks["all"]["optimizer"] == foreach.model_state + 1.3e9 * 4
+    assert foreach.peak_phase["all"] == "optimizer" and foreach.fits["all"] is False
+    assert foreach.crosses["all"] == "optimizer step's temporaries"

@@ -26,7 +26,7 @@ def in_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
-# Deterministic on the CPU: estimated peak = model state (473,200 B) + activation peak; this budget lies between
+# Deterministic on the CPU: peak = the highest phase peak of the live-tensor count; this budget lies between
 # the peaks of the configurations (500-780 KB), so some fit and some do not.
 BUDGET = "600KB"
 
@@ -176,3 +176,20 @@ def test_recommendation_is_fastest_that_fits():
     assert recommend(rows, budget=1500)["name"] == rows[2].name
     nothing = recommend(rows, budget=100)
     assert nothing["name"] is None and "no configuration fits" in nothing["text"]
+
+
+def test_profile_measures_the_phase_peaks_and_marks_the_limiting_phase(in_tmp):
+    """The forward, backward and optimizer peaks of each configuration (steady state: the optimizer state exists),
+    the step's peak is the highest, and profile.md marks that phase."""
+    report = profile(GPT, TINY, policies="none,all", micro_batches="4", seq_lens="32", steps=1, warmup=2,
+                     accumulate=0, out=str(in_tmp / "p"), progress=False, tensorboard=False, plot=False)
+    by = {r.policy: r for r in report.results}
+    for r in report.results:
+        assert set(r.phase_peaks) == {"forward", "backward", "optimizer"}
+        assert r.peak == max(r.phase_peaks.values()) and r.peak_phase == max(r.phase_peaks, key=r.phase_peaks.get)
+        # the optimizer step holds the model state (Adam's moments exist from the first step) and no activations
+        assert r.phase_peaks["optimizer"] >= r.model_state
+    assert by["none"].peak_phase == "forward"
+    assert by["all"].phase_peaks["forward"] < by["none"].phase_peaks["forward"]
+    md = (in_tmp / "p" / "profile.md").read_text()
+    assert "fwd peak MiB" in md and "◀" in md and "the phase that limits the configuration" in md

@@ -70,7 +70,8 @@ def test_predicted_activation_peak_within_15_percent_and_model_state_exact(label
     assert (predicted.params, predicted.grads, predicted.optimizer + predicted.master) == \
         (state.params, state.grads, state.optimizer)
     assert predicted.model_state == state.params + state.grads + state.optimizer
-    assert all(predicted.peak[p] == predicted.model_state + predicted.activations[p] for p in POLICIES)
+    for p in POLICIES:  # the verdict's figure is the highest phase; the forward holds at least the model state
+        assert predicted.peak[p] == max(predicted.phase_peaks[p].values()) >= predicted.model_state
 
 
 def test_lightning_module_is_planned_with_its_training_step_and_optimizer():
@@ -137,6 +138,8 @@ def test_json_schema_from_model(capsys):
         (["--model", TINY, "--optimizer", "lion"], "cannot be built with --model"),
         (["--model", TINY, "--precision", "fp8-mixed"], "choose one of ['32-true', 'bf16-mixed'"),
         (["--model", TINY, "--precision", "bf16-true", "--param-dtype", "fp32"], "contradicts --precision"),
+        (["--model", TINY, "--device", "cpu", "--sdpa-backend", "flash"], "only applies with --device cuda"),
+        (["--model", TINY, "--device", "cuda", "--sdpa-backend", "turbo"], "--sdpa-backend='turbo'"),
         ([], "exactly one of"),
     ],
 )
@@ -189,3 +192,78 @@ def test_forecast_in_a_precision_matches_the_meter_in_that_precision(label, targ
         assert forecast.autocast_copies[policy] == pytest.approx(copies, rel=0.10, abs=1), rows[-1]
     print("\n" + "\n".join(rows))
     assert forecast.precision == precision and (forecast.autocast_copies["none"] > 0) == ("mixed" in precision)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["foreach off", "foreach on"])
+@pytest.mark.parametrize("label, target, init_args", PRECISION_MODELS, ids=[m[0] for m in PRECISION_MODELS])
+def test_phase_peaks_within_10_percent_of_a_real_step(label, target, init_args, foreach):
+    """Planned per phase vs a real CPU step (second step, Lightning's order: forward, zero_grad, backward, AdamW
+    step) measured by PyTorch's MemTracker with a running Total per phase."""
+    from _independent import benchmark_common
+
+    forecast = forecast_model(target, init_args, micro_batch=B, seq_len=T, policies=POLICIES, optimizer="adamw",
+                              foreach=foreach)
+    torch.manual_seed(0)
+    model = build_model(target, init_args)
+    model.train()
+    batch = make_batch(model, B, T)
+    plan = apply_policy(model, "none")
+    (opt,) = make_optimizers(model, "adamw", foreach=foreach)
+    held = {}
+
+    def forward():
+        held["loss"] = step_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+
+    def backward():
+        held.pop("loss").backward()
+
+    forward(), backward(), opt.step()
+    rows, peak_phases = [], set()
+    for policy in POLICIES:
+        plan.retarget(policy)
+        measured = benchmark_common().measure_phase_peaks(
+            [("forward", forward), ("backward", backward), ("optimizer", opt.step)],
+            external=(model, opt, *batch.values()))
+        planned = forecast.phase_peaks[policy]
+        for phase in ("forward", "backward", "optimizer"):
+            rows.append(f"{label} foreach={foreach} {policy:<8} {phase:<9} planned {planned[phase] / MiB:7.3f} MiB  "
+                        f"measured {measured[phase] / MiB:7.3f} MiB  error {planned[phase] / measured[phase] - 1:+.2%}")
+            assert planned[phase] == pytest.approx(measured[phase], rel=0.10), rows[-1]
+        assert forecast.peak_phase[policy] == max(measured, key=measured.get), rows
+        peak_phases.add(forecast.peak_phase[policy])
+    print("\n" + "\n".join(rows))
+    # foreach AdamW holds a moment-sized temporary: it raises the optimizer phase and nothing else
+    assert (forecast.phase_peaks["all"]["optimizer"] > forecast.model_state + forecast.params * 0.5) == foreach
+
+
+def test_hugging_face_sdpa_masks_are_decided_as_on_real_tensors():
+    """Hugging Face cannot read fake position ids, assumes packed sequences and builds a causal mask a real step
+    does not build; the planner decides as on real tensors, so the forecast equals the meter's exact count."""
+    args = dict(n_layer=2, n_embd=64, n_head=4, n_positions=64, attn_implementation="sdpa", dropout=0.0)
+    target = "lightning_ckpt.demos.factories:gpt2_config"
+    forecast = forecast_model(target, args, micro_batch=2, seq_len=64, policies=["none"])
+    torch.manual_seed(0)
+    model = build_model(target, args)
+    model.train()
+    batch = make_batch(model, 2, 64)
+    meter = StepMeter("cpu", model=model)
+    with meter.step(exact=True) as box:
+        step_loss(model, batch).backward()
+    assert forecast.activations["none"] == box.reading.activations
+
+
+def test_plan_prints_the_device_and_the_three_phase_peaks(capsys):
+    args = ["plan", "--model", TINY, "--init-args", '{"n_layer": 2, "n_embd": 32}', "--micro-batch", "2",
+            "--seq-len", "32", "--policies", "none,all"]
+    assert main(args + ["--capacity", "1GiB"]) == 0  # a GPU capacity: planned as CUDA saves, foreach on
+    out = capsys.readouterr().out
+    assert "device cuda (CUDA kernels' saved tensors, attention backend auto, torch's default optimizer step)" in out
+    assert "forward  backward optimizer  verdict (GiB; the highest phase decides)" in out
+    assert "to spare at the forward peak" in out
+    assert main(args + ["--json", "--no-foreach"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["device"] == "cpu" and data["inputs"]["foreach"] is False
+    for policy in ("none", "all"):
+        assert set(data["phase_peaks"][policy]) == {"forward", "backward", "optimizer"}
+        assert data["peak"][policy] == max(data["phase_peaks"][policy].values())

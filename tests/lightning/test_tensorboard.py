@@ -39,6 +39,9 @@ CPU_TAGS = {
     "memory/optimizer_gib",
     "memory/activations_gib",
     "memory/autocast_copies_gib",  # measured: 0 in float32, never left out as unknown on the CPU
+    "memory/peak_forward_gib",  # on the CPU from the exact reference step's live-tensor count
+    "memory/peak_backward_gib",
+    "memory/peak_optimizer_gib",
     "throughput/tokens_per_sec",
     "throughput/samples_per_sec",
     "time/step_s",
@@ -131,7 +134,10 @@ def test_custom_scalars_layout_puts_the_ledger_in_one_memory_chart(tmp_path):
     _fit(tmp_path, max_steps=2, log_every_n_steps=1, prefix="ac")
     acc = _accumulator(tmp_path)
     layout = _layout(acc)
-    assert [c.title for c in layout.category] == ["Memory", "Throughput", "Checkpointing"]
+    assert [c.title for c in layout.category] == ["Memory", "Throughput", "Phases", "Checkpointing"]
+    phases = layout.category[2]
+    phase_tags = [f"ac/memory/peak_{p}_gib" for p in ("forward", "backward", "optimizer")]
+    assert list(phases.chart[0].multiline.tag) == phase_tags
     memory = layout.category[0]
     assert len(memory.chart) == 1 and memory.chart[0].WhichOneof("content") == "multiline"
     memory_tags = list(memory.chart[0].multiline.tag)
@@ -157,7 +163,8 @@ def test_custom_scalars_layout_puts_the_ledger_in_one_memory_chart(tmp_path):
         assert any(re.fullmatch(pattern, tag) for pattern in charted), tag
     throughput = {chart.title: list(chart.multiline.tag) for chart in layout.category[1].chart}
     assert ["ac/throughput/tokens_per_sec"] in throughput.values()
-    assert "ac/checkpointing/blocks" in layout.category[2].chart[0].multiline.tag
+    assert "ac/memory/peak_backward_gib" in layout.category[2].chart[0].multiline.tag
+    assert "ac/checkpointing/blocks" in layout.category[3].chart[0].multiline.tag
 
 
 def test_default_layout_constant_matches_what_is_written(tmp_path):
@@ -201,7 +208,8 @@ def test_plot_curves_renders_the_run(tmp_path):
     assert run.endswith("version_0")
     out = tmp_path / "curves.png"
     drawn = plot.render(plot.read_scalars(run), str(out))
-    assert set(drawn) == CPU_TAGS - {"throughput/samples_per_sec", "time/step_s"}
+    phases = {f"memory/peak_{p}_gib" for p in ("forward", "backward", "optimizer")}  # the "Phases" chart's
+    assert set(drawn) == CPU_TAGS - {"throughput/samples_per_sec", "time/step_s"} - phases
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -295,7 +303,9 @@ def test_a_tensorboard_server_serves_the_activation_curve_and_the_layout(tmp_pat
 
     layout = _get_json(base + "/data/plugin/custom_scalars/layout")
     titles = [c["title"] for c in layout["category"]]
-    assert titles == ["Memory", "Throughput", "Checkpointing"]
+    assert titles == ["Memory", "Throughput", "Phases", "Checkpointing"]
+    phase_tags = layout["category"][2]["chart"][0]["multiline"]["tag"]
+    assert phase_tags == [f"memory/peak_{p}_gib" for p in ("forward", "backward", "optimizer")]
     memory_tags = layout["category"][0]["chart"][0]["multiline"]["tag"]
     assert {"memory/activations_gib", "memory/params_gib", "memory/grads_gib", "memory/optimizer_gib"} <= set(
         memory_tags

@@ -397,3 +397,61 @@ def test_cuda_peaks_are_the_allocator_peaks_of_the_step():
         mask = torch.ones(B, T, dtype=torch.long, device=device)
         tokens = count_tokens({"input_ids": idx, "attention_mask": mask})
     assert isinstance(tokens, torch.Tensor) and int(tokens) == B * T  # counted on the device, no sync
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("policy", ["none", "all"])
+def test_phase_peaks_equal_memtracker_per_phase(policy, foreach):
+    """Steady state (second step; moments exist, last step's gradients live through the forward, as in Lightning,
+    whose zero_grad runs between training_step and backward): each phase's peak equals MemTracker's Total."""
+    from _independent import benchmark_common
+
+    from lightning_ckpt.measure.ledger import state_tensors
+
+    model, idx = _gpt(policy)
+    opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+    held = {}
+
+    def forward():
+        held["loss"] = model(idx, idx)[1]
+        opt.zero_grad(set_to_none=True)
+
+    def backward():
+        held.pop("loss").backward()
+
+    for _ in range(2):
+        forward(), backward(), opt.step()
+    reference = benchmark_common().measure_phase_peaks(
+        [("forward", forward), ("backward", backward), ("optimizer", opt.step)], external=(model, opt, idx))
+    meter = StepMeter("cpu", model=model)
+    meter.start_step(exact=True, state=[*state_tensors(model, [opt]), idx])
+    forward()
+    meter.phase("backward")
+    backward()
+    meter.phase("optimizer")
+    opt.step()
+    reading = meter.stop_step()
+    assert reading.phase_peaks == reference
+    # without checkpointing the step peaks in the forward; with it, backward (replay + gradients) overtakes the
+    # forward, and foreach AdamW's temporaries make the optimizer step the highest
+    expected = "forward" if policy == "none" else "optimizer" if foreach else "backward"
+    assert max(reading.phase_peaks, key=reading.phase_peaks.get) == expected
+
+
+def test_phase_peaks_are_reused_from_the_reference_step_of_the_key():
+    model, idx = _gpt("all")
+    meter = StepMeter("cpu", model=model)
+    readings = []
+    for _ in range(2):
+        meter.start_step(key="k", state=list(model.parameters()))
+        loss = model(idx, idx)[1]
+        meter.phase("backward")
+        loss.backward()
+        del loss
+        readings.append(meter.stop_step())
+        model.zero_grad(set_to_none=True)
+    assert readings[0].reference and set(readings[0].phase_peaks) == {"forward", "backward"}
+    assert readings[1].phase_peaks == readings[0].phase_peaks
+    params = sum(p.numel() * 4 for p in model.parameters())
+    # the activation peak is the replay in backward, where it sits on top of the parameters
+    assert readings[0].phase_peaks["backward"] >= params + readings[0].activations

@@ -45,6 +45,12 @@ class ProfileResult:
     tokens_per_sec: Optional[float] = None
     fits: Optional[bool] = None
     loss: Optional[float] = None
+    phase_peaks: Optional[Dict[str, int]] = None
+
+    @property
+    def peak_phase(self) -> Optional[str]:
+        """The phase that limits this configuration: the one with the highest peak (``None`` unmeasured)."""
+        return max(self.phase_peaks, key=self.phase_peaks.get) if self.phase_peaks else None
 
     @property
     def ok(self) -> bool:

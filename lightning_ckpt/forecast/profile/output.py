@@ -77,6 +77,7 @@ def _columns(report: ProfileReport) -> List[str]:
         cols += ["peak alloc MiB", "peak reserved MiB"]
     else:
         cols += ["est. peak MiB"]
+    cols += ["fwd peak MiB", "bwd peak MiB", "opt peak MiB"]
     return cols + ["fwd ms", "bwd ms", "tokens/s", "fits", "status"]
 
 
@@ -84,6 +85,9 @@ def _row(r: ProfileResult, cuda: bool) -> List[str]:
     mb = f"{r.micro_batch}×{r.accumulate}" if r.accumulate > 1 else str(r.micro_batch)
     row = [r.name, r.policy, mb, str(r.seq_len), f"{r.tokens_per_step:,}", _fmt_bytes(r.activations)]
     row += [_fmt_bytes(r.peak_allocated), _fmt_bytes(r.peak_reserved)] if cuda else [_fmt_bytes(r.peak)]
+    limit = r.peak_phase
+    row += [_fmt_bytes((r.phase_peaks or {}).get(name)) + (" ◀" if name == limit else "")
+            for name in ("forward", "backward", "optimizer")]
     status = "OOM" if r.oom else ("error" if r.error else "ok")
     fits = "—" if r.fits is None else ("yes" if r.fits else "no")
     row += [_fmt_s(r.forward_s), _fmt_s(r.backward_s),
@@ -134,7 +138,9 @@ def markdown(report: ProfileReport) -> str:
            f"{s['seq_len']}; length sweep at micro-batch {s['micro_batch']}; {accumulation}. Batches from "
            f"`{s['batch']}`.", ""]
     if not cuda:
-        out += ["On the CPU there are no allocator counters: the estimated peak is model state + activation peak.", ""]
+        out += ["On the CPU there are no allocator counters: the peak is the highest phase peak of the live-tensor "
+                "count (model state included).", ""]
+    out += ["Phase peaks: forward, backward and optimizer step; ◀ marks the phase that limits the configuration.", ""]
     cols = _columns(report)
     out.append("| " + " | ".join(cols) + " |")
     out.append("|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|")

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_ckpt.core.policy import parse_policy_list
 from lightning_ckpt.core.units import GiB, parse_size
@@ -27,8 +27,8 @@ from lightning_ckpt.forecast.load import build_model, import_object, load_init_a
 from lightning_ckpt.forecast.precision import PRECISIONS, parse_precision
 from lightning_ckpt.forecast.profile.analysis import ProfileReport, ProfileResult, read_slopes, recommend
 from lightning_ckpt.forecast.profile.output import Progress, markdown, save_plot, summary_text, tensorboard_writer
-from lightning_ckpt.measure.ledger import model_state_bytes
-from lightning_ckpt.measure.meter import StepMeter, cuda_peaks, device_capacity
+from lightning_ckpt.measure.ledger import model_state_bytes, state_tensors
+from lightning_ckpt.measure.meter import StepMeter, device_capacity
 from lightning_ckpt.measure.tokens import count_tokens
 
 __all__ = ["DEFAULT_POLICIES", "PRECISIONS", "profile"]
@@ -178,7 +178,7 @@ def profile(
     micro_batch: Optional[int] = None,
     seq_len: Optional[int] = None,
     steps: int = 3,
-    warmup: int = 1,
+    warmup: int = 2,
     accumulate: Optional[int] = None,
     budget: Union[str, int, None] = None,
     capacity: Union[str, int, None] = None,
@@ -207,7 +207,9 @@ def profile(
         micro_batch: the micro-batch held fixed in the length sweep (default the smallest of ``micro_batches``).
         seq_len: the length held fixed in the micro-batch sweep (default the longest of ``seq_lens``).
         steps: measured steps per configuration (after ``warmup``).
-        warmup: unmeasured steps first (lazy optimizer state, kernels, the meter's replay calibration).
+        warmup: unmeasured steps first: the first creates the optimizer state, the second is the exact reference
+            step of the steady state (phase peaks, the meter's replay calibration); with fewer, a timed step is
+            the (slower) reference step.
         accumulate: k of the gradient-accumulation baseline (micro-batch 1 × k, policy ``none``); default the
             largest micro-batch; 0 or 1 skips it.
         budget: the memory the recommendation must fit (``"18GiB"``); default ``capacity``.
@@ -362,6 +364,10 @@ def profile(
     return report
 
 
+def _tensors_of(batch: Any) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+
+
 def _run_configuration(module, plan, source, initial, result: ProfileResult, dev, precision, warmup, steps, seed,
                        writer, bar) -> None:
     module.load_state_dict(initial)
@@ -373,6 +379,7 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
     batch = None
     rows: Dict[str, List[float]] = {k: [] for k in ("fwd", "bwd", "opt", "step", "act", "copies", "alloc", "res")}
     cuda = dev.type == "cuda"
+    phases: Dict[str, int] = {}
     done = 0
     try:
         result.tokens_per_step = result.micro_batch * result.seq_len * result.accumulate  # until counted
@@ -382,32 +389,38 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
         result.tokens_per_step = int(tokens) * result.accumulate
         for i in range(warmup + steps):
             fwd = bwd = 0.0
-            for opt in opts:
-                opt.zero_grad(set_to_none=True)
             _sync(dev)
             t_step = time.perf_counter()
-            meter.start_step(key=result.name)  # the first step (a warm-up) is the exact reference step
+            # the first step creates the optimizer state: the steady state's exact reference is the next one
+            steady = all(bool(opt.state) for opt in opts)
+            meter.start_step(key=(result.name, steady), state=[*state_tensors(module, opts), *_tensors_of(batch)])
             try:
-                for _ in range(result.accumulate):
+                for k in range(result.accumulate):  # Lightning's order: forward, zero_grad, backward
+                    meter.phase("forward")
                     t0 = time.perf_counter()
                     with parse_precision(precision).forward_context(dev.type):
                         loss = step_loss(module, batch)
                     _sync(dev)
                     t1 = time.perf_counter()
+                    if k == 0:
+                        for opt in opts:
+                            opt.zero_grad(set_to_none=True)
+                    meter.phase("backward")
                     (loss / result.accumulate).backward()
                     _sync(dev)
                     fwd += t1 - t0
                     bwd += time.perf_counter() - t1
                     last_loss = loss.detach()
                     del loss
+                meter.phase("optimizer")
+                t_opt = time.perf_counter()
+                for opt in opts:
+                    opt.step()
+                _sync(dev)
                 reading = meter.stop_step()
             except BaseException:
                 meter.close()
                 raise
-            t_opt = time.perf_counter()
-            for opt in opts:
-                opt.step()
-            _sync(dev)
             t_end = time.perf_counter()
             if i == warmup + steps - 1:
                 state = model_state_bytes(module, opts, device=dev)
@@ -424,8 +437,10 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
             if reading.activations is not None:
                 rows["act"].append(reading.activations)
                 rows["copies"].append(reading.autocast_copies or 0)
+            for name, v in (reading.phase_peaks or {}).items():
+                phases[name] = max(phases.get(name, 0), v)
             if cuda:
-                alloc, res = cuda_peaks(dev)  # reset at start_step: the peak of the whole step, optimizer included
+                alloc, res = reading.peak_allocated, reading.peak_reserved  # the highest phase: the whole step
                 rows["alloc"].append(alloc)
                 rows["res"].append(res)
             if writer is not None:
@@ -446,9 +461,12 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
         result.tokens_per_sec = result.tokens_per_step / result.step_s if result.step_s else None
         result.activations = max(rows["act"]) if rows["act"] else None
         result.autocast_copies = max(rows["copies"]) if rows["copies"] else None
+        result.phase_peaks = phases or None
         if cuda:
             result.peak_allocated, result.peak_reserved = max(rows["alloc"]), max(rows["res"])
             result.peak, result.peak_source = result.peak_reserved, "reserved"
+        elif phases:
+            result.peak, result.peak_source = max(phases.values()), "highest phase peak (live-tensor count)"
         elif result.activations is not None and result.model_state is not None:
             result.peak = result.model_state + result.activations + (result.autocast_copies or 0)
             result.peak_source = "model state + activations + autocast copies"

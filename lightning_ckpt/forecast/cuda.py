@@ -1,0 +1,557 @@
+"""Make a fake-tensor trace on the CPU save what CUDA autograd would save, on a machine without a GPU.
+
+:mod:`lightning_ckpt.forecast.trace` runs one training step on fake tensors whose device is ``cpu`` and counts
+every storage autograd keeps alive. Where PyTorch picks a kernel by device, the CPU picks one that saves other
+tensors than the GPU the forecast is for. Inside :func:`cuda_semantics` the CPU picks what CUDA picks. Every
+override is a kernel registered in a ``torch.library.Library("aten", "IMPL")`` for the duration of the context, so
+it reaches every caller (``nn.Dropout``, ``torch.dropout``, Hugging Face code, C++ composites such as the SDPA math
+path), on fake tensors and real ones alike; leaving the context destroys the library and the dispatcher restores
+PyTorch's own kernels. Keep the context active over forward *and* backward.
+
+Rules (paths in PyTorch's source tree):
+
+=== ================ ================================ ======================================= ======================
+#   Operation        CPU (the plain trace)            CUDA, and how the context makes it      Source
+=== ================ ================================ ======================================= ======================
+1   dropout          unfused ``input * noise``:       ``native_dropout``: saves a bool mask   aten/src/ATen/native/
+    (training,       ``mul`` saves the noise in the   (1 byte per element). ``aten::dropout`` Dropout.cpp (``is_
+    0 < p < 1)       input's dtype.                   gets a CompositeImplicitAutograd kernel fused_kernel_accept-
+                                                      calling it, as CUDA's does; p = 0,      able``); tools/
+                                                      eval, p = 1, empty inputs and in-place  autograd/derivatives
+                                                      ``dropout_`` keep their code path.      .yaml (native_dropout)
+2   scaled_dot_      CPU flash kernel: output laid    the backend CUDA would run, see         aten/src/ATen/native/
+    product_         out [B, H, L, D], so a caller's  :func:`choose_sdpa_backend`;            transformers/
+    attention        ``transpose(1, 2).contiguous()`` ``aten::scaled_dot_product_attention``  attention.cpp,
+                     copies it (a second saved        gets a CompositeImplicitAutograd        cuda/sdp_utils.cpp,
+                     tensor); masks accepted. Or the  kernel.                                 sdp_utils_cpp.h
+                     math path with CPU dropout.
+2a    flash          —                                saves q, k, v (head dim padded to a     derivatives.yaml
+                                                      multiple of 8 first), output            (_scaled_dot_product_
+                                                      [B, H, L, D] laid out [B, L, H, D],     flash_attention);
+                                                      logsumexp [B, H, L] float32,            torch/_meta_
+                                                      rng_state uint64 [2], unused uint64 []. registrations.py
+2b    efficient      —                                saves q, k, v, attn_bias (a bool mask   derivatives.yaml
+                                                      made additive, padded for 8-element     (_scaled_dot_product_
+                                                      alignment, expanded to [B, H, L, S]),   efficient_attention);
+                                                      output (as flash), log_sumexp           meta kernel:
+                                                      [B, H, ceil(L/32)*32] float32 (length   ``ceil(M / 32) * 32``
+                                                      0 without grad), philox seed and offset
+                                                      int64 [].
+2c    math           —                                PyTorch's own ``_scaled_dot_product_    attention.cpp (allow
+                                                      attention_math``: fp16/bf16 q, k, v     FP16BF16Reduction
+                                                      upcast to float32 unless                MathSDP, pre_process_
+                                                      ``allowFP16BF16ReductionMathSDP``, GQA  group_query_attention
+                                                      by ``repeat_interleave``; its           _input)
+                                                      ``at::dropout`` goes through rule 1.
+3   cross_entropy,   ``_log_softmax`` saves its       the same: device-independent formulas   derivatives.yaml
+    log_softmax,     result, ``nll_loss_forward``     and composite, **no override**. (CUDA   (_log_softmax,
+    nll_loss         that, target, total_weight.      skips the transient float32 copy of an  nll_loss_forward);
+                                                      fp16 input with ``half_to_float``: not  SoftMax.cpp
+                                                      saved, not modelled.)
+4   autocast (with   CPU lists: ``layer_norm``,       CUDA lists: float32 for AT_FORALL_FP32, aten/src/ATen/
+    ``autocast_      ``softmax``, ``log_softmax``,    ``dtype=float32`` for AT_FORALL_FP32_   autocast_mode.h (the
+    dtype``)         ``exp``, ``pow``, ``rms_norm``,  SET_OPT_DTYPE, lower precision for      CUDA lists),
+                     ``sum``, ... stay in bf16/fp16;  AT_FORALL_LOWER_PRECISION_FP, widest    autocast_mode.cpp
+                     ``cat``/``stack`` promote,       type for AT_FORALL_PROMOTE; ops only    (the CPU lists)
+                     ``_addmm_activation`` is lower.  the CPU lists fall through. Python
+                                                      kernels at ``AutocastCPU``.
+5   rms_norm         ``_fused_rms_norm`` has no CPU   the fused kernel's node: saves input,   aten/src/ATen/native/
+                     kernel: its composite runs and   weight, rstd [..., 1] float32. The op's layer_norm.cpp (rms_
+                     saves 6 tensors (x, x², x·rstd,  decomposition becomes its CPU kernel    norm_symint);
+                     ...).                            (backward too), so PyTorch's own        derivatives.yaml
+                                                      autograd node runs.                     (_fused_rms_norm)
+=== ================ ================================ ======================================= ======================
+
+SDPA backend choice (:func:`choose_sdpa_backend`) follows ``select_sdp_backend`` in ``cuda/sdp_utils.cpp`` for an
+sm80/sm90 GPU (A100, H100) in its default order flash → efficient → math, and honours the flags
+``torch.backends.cuda.enable_flash_sdp`` / ``enable_mem_efficient_sdp`` (and ``sdpa_kernel``). Checks that need
+the device (sm86/sm89 head-dim limits for training, cuDNN versions) are not modelled. Recent PyTorch puts cuDNN
+attention first on sm90/sm100 with cuDNN > 9.15: it saves what flash saves (q, k, v, output, logsumexp float32
+[B, H, L, 1]) and accepts masks.
+
+How backward works: the flash and efficient stand-ins are a ``torch.autograd.Function`` that saves exactly the
+tensors listed above with ``ctx.save_for_backward``. Their output and logsumexp are allocated *before* the
+Function runs, under grad mode, so a tracker counting the storages operators create under grad mode (the meter's
+``LiveBytes``) sees them; the Function returns a view of the output. Its backward returns zero gradients shaped
+like q, k, v (and the bias when it requires grad), which is all a fake trace needs. On real tensors the stand-ins
+therefore give zero outputs and gradients: the context is for tracing memory, not for computing. Everything else
+(dropout, the math path, rms_norm, autocast) is PyTorch's own code and computes real values, on fake tensors
+through their meta kernels.
+
+Not covered: code that calls a C++ kernel below these ops directly, cuDNN RNNs, LayerNorm statistics of fp16/bf16
+*inputs* (the CPU and its fake kernel keep mean and rstd in the input dtype, CUDA in float32: 2 × tokens × 2 bytes
+per LayerNorm), the autocast cache for the CUDA-only lower-precision ops (``einsum``, ``mv``, ... cast their
+weights at every call), ``binary_cross_entropy`` (CUDA autocast refuses it; the CPU's float32 is kept). The
+registrations are process-wide while the context is active: run no other CPU work in other threads meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = ["SDPA_BACKENDS", "choose_sdpa_backend", "cuda_semantics"]
+
+SDPA_BACKENDS = ("auto", "flash", "efficient", "math")
+
+_AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
+_NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+# CUDA autocast policies, copied from the AT_FORALL_* lists of aten/src/ATen/autocast_mode.h (PyTorch 2.14), which
+# autocast_mode.cpp registers for AutocastCUDA. Names are "op" or "op.overload".
+_CUDA_LOWER = (
+    "_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+    "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "prelu", "addmm", "addmv", "addr", "matmul",
+    "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
+    "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+)
+_CUDA_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
+    "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm", "native_layer_norm",
+    "rms_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity",
+    "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div",
+    "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+    "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist",
+    "pdist", "cdist", "renorm", "logsumexp", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
+    "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d",
+    "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d",
+    "_upsample_bicubic2d_aa",
+)
+_CUDA_FP32_SET_OPT_DTYPE = (
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
+)
+# AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE: redispatched to the overload that takes a dtype, with dtype=float32
+_CUDA_FP32_APPEND_DTYPE = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype"}
+_CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
+                 "tensordot", "scatter_add")
+# registered for AutocastCUDA but with no CPU counterpart to mirror (cuDNN-only ops) or deliberately left alone:
+# CUDA autocast refuses binary_cross_entropy with an error; the CPU's float32 cast is kept so traces do not fail
+_CUDA_NOT_MIRRORED = frozenset({"_cudnn_rnn", "cudnn_convolution", "cudnn_convolution_transpose",
+                                "binary_cross_entropy", "linalg_matrix_sqrth"})
+# ops the CPU registers too but with another policy (CPU: float32 for all three), so CUDA's replaces it; every other
+# op in both lists has the same policy on both devices and keeps the CPU kernel (and its cache of weight casts)
+_CPU_POLICY_DIFFERS = frozenset({"prod", "prod.dim_int", "grid_sampler"})
+
+
+def _check_backend(name: Any) -> str:
+    if name not in SDPA_BACKENDS:
+        raise ValueError(f"--sdpa-backend={name!r} is not an SDPA backend; choose one of {list(SDPA_BACKENDS)} "
+                         "('auto' picks the backend CUDA would run for each call).")
+    return name
+
+
+def _check_autocast_dtype(dtype: Any) -> Optional[torch.dtype]:
+    if dtype is None or dtype in _AUTOCAST_DTYPES:
+        return dtype
+    raise ValueError(f"autocast_dtype={dtype!r} is not a CUDA autocast dtype; pass torch.bfloat16 or torch.float16 "
+                     "(the dtype of the torch.autocast('cpu', dtype=...) the trace runs under), or None without "
+                     "autocast.")
+
+
+# --- rule 1: dropout ------------------------------------------------------------------------------------------
+
+
+def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``at::dropout`` as compiled for CUDA (Dropout.cpp): fused ``native_dropout`` when it is acceptable."""
+    if not 0 <= p <= 1:
+        raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if p == 0 or not train or input.numel() == 0:
+        return input  # _dropout_impl returns its input unchanged
+    if p == 1:
+        return input * torch.zeros((), dtype=input.dtype, device=input.device)  # _dropout_impl's p == 1 branch
+    return torch.native_dropout(input, p, True)[0]
+
+
+# --- rule 2: scaled_dot_product_attention ----------------------------------------------------------------------
+
+
+def _as_4d(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """``normalize_unbatched_input`` (sdp_utils_cpp.h): 3-D query, key and value get a batch of one."""
+    if all(t.dim() == 3 for t in tensors):
+        return tuple(t.unsqueeze(0) for t in tensors)
+    return tensors
+
+
+def _common_blockers(query, key, value, enable_gqa: bool, ignore_singleton: bool) -> List[str]:
+    """Checks both fused kernels share (sdp_utils_cpp.h, dense inputs)."""
+    if any(t.is_nested for t in (query, key, value)):
+        return ["nested tensors are not modelled"]
+    if not query.dim() == key.dim() == value.dim() == 4:
+        return [f"q, k, v must be 4-D (got {query.dim()}, {key.dim()}, {value.dim()})"]
+    out = []
+    if key.size(-2) == 0 or query.size(-2) == 0:
+        out.append("zero sequence length")
+    strides_ok = all(t.stride(-1) == 1 for t in (query, key, value))
+    if not (strides_ok or (ignore_singleton and query.size(-1) == 1)):
+        out.append("the last dimension of q, k, v must have stride 1")
+    hq, hk, hv = query.size(1), key.size(1), value.size(1)
+    if not query.size(0) == key.size(0) == value.size(0):
+        out.append("q, k, v must have the same batch size")
+    elif enable_gqa:
+        if hk != hv or hq % hk:
+            out.append(f"GQA needs k, v with equal heads dividing q's (got {hq}, {hk}, {hv})")
+    elif not (hq == hk == hv or (hk == hv == 1)):
+        out.append(f"q, k, v must have the same number of heads (got {hq}, {hk}, {hv}); pass enable_gqa=True")
+    return out
+
+
+def _flash_blockers(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> List[str]:
+    """``can_use_flash_attention`` (cuda/sdp_utils.cpp) on sm80/sm90."""
+    query, key, value = _as_4d(query, key, value)
+    out = _common_blockers(query, key, value, enable_gqa, ignore_singleton=True)
+    if attn_mask is not None:
+        out.append("flash attention takes no attn_mask (is_causal=True is fine)")
+    d = (query.size(-1), key.size(-1), value.size(-1))
+    if not (d[0] == d[1] == d[2] and d[0] <= 256):
+        out.append(f"head dims of q, k, v must be equal and at most 256 (got {d})")
+    if is_causal and query.dim() == 4 and query.size(-2) != key.size(-2):
+        out.append("is_causal with different query and key lengths")
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) != 1 or query.dtype not in (torch.float16, torch.bfloat16):
+        out.append(f"flash attention needs float16 or bfloat16 q, k, v (got {sorted(map(str, dtypes))})")
+    if not torch.backends.cuda.flash_sdp_enabled():
+        out.append("disabled by torch.backends.cuda.enable_flash_sdp(False) / sdpa_kernel")
+    return out
+
+
+def _efficient_blockers(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> List[str]:
+    """``can_use_mem_efficient_attention`` (cuda/sdp_utils.cpp) on sm80/sm90."""
+    query, key, value = _as_4d(query, key, value)
+    out = _common_blockers(query, key, value, enable_gqa, ignore_singleton=False)
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) != 1 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        out.append(f"efficient attention needs float32, float16 or bfloat16 q, k, v (got {sorted(map(str, dtypes))})")
+    # minimum_gemm_alignment on sm80+: 128 bits of tensor-core operand, i.e. 8 half elements or 4 floats
+    align = 8 if query.dtype in (torch.float16, torch.bfloat16) else 4
+    dq, dk, dv = query.size(-1), key.size(-1), value.size(-1)
+    if dq != dk or dq % align or dv % align or not dq or not dv:
+        out.append(f"head dims must match for q, k and be multiples of {align} for q, v (got {dq}, {dk}, {dv})")
+    # check_data_ptr_alignment_mem_efficient: storage offsets must keep that alignment too
+    if any(t.storage_offset() % align for t in (query, key, value)):
+        out.append(f"q, k, v storage offsets must be multiples of {align} elements")
+    if not torch.backends.cuda.mem_efficient_sdp_enabled():
+        out.append("disabled by torch.backends.cuda.enable_mem_efficient_sdp(False) / sdpa_kernel")
+    return out
+
+
+def choose_sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
+                        enable_gqa: bool = False, override: str = "auto") -> str:
+    """The SDPA backend a CUDA GPU (sm80/sm90) would run for these arguments: ``"flash"``, ``"efficient"`` or
+    ``"math"``.
+
+    Args:
+        query, key, value, attn_mask, dropout_p, is_causal, enable_gqa: as for
+            ``torch.nn.functional.scaled_dot_product_attention``.
+        override: ``"auto"`` tries flash, then efficient, then math, as ``select_sdp_backend`` does; a backend name
+            forces that backend.
+
+    Raises:
+        ValueError: ``override`` is not one of :data:`SDPA_BACKENDS`, or names a fused backend whose constraints
+            these arguments break (the message lists them).
+    """
+    _check_backend(override)
+    if override == "math":
+        return "math"
+    args = (query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    checks = {"flash": _flash_blockers, "efficient": _efficient_blockers}
+    if override == "auto":
+        return next((name for name, blockers in checks.items() if not blockers(*args)), "math")
+    blockers = checks[override](*args)
+    if blockers:
+        raise ValueError(f"--sdpa-backend={override!r} cannot run this attention call on CUDA: "
+                         f"{'; '.join(blockers)}. Use --sdpa-backend='auto' (picks what CUDA would run) or 'math'.")
+    return override
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The autograd node of a fused CUDA attention kernel: saves what ``derivatives.yaml`` lists for it and returns
+    zero gradients of the right shapes. ``out`` and ``lse`` are allocated by the caller, under grad mode."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, bias, out, lse, seed, offset):
+        ctx.save_for_backward(query, key, value, bias, out, lse, seed, offset)
+        return out.view_as(out)  # a view: the output's memory is ``out``, counted once where it was allocated
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = ctx.saved_tensors[:4]
+        grads = [torch.zeros_like(t) if t is not None and need else None
+                 for t, need in zip(inputs, ctx.needs_input_grad[:4])]
+        return (*grads, None, None, None, None)
+
+
+def _wants_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _pad_last_dim(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -t.size(-1) % multiple
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+
+
+def _blhd_zeros(query: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The output of a fused kernel: [B, H, L, D] laid out [B, L, H, D], as the CUDA kernels allocate it (so
+    ``.transpose(1, 2).contiguous()`` in the caller is free, as on the GPU)."""
+    b, h, length = query.shape[:3]
+    return torch.zeros(b, length, h, head_dim, dtype=query.dtype, device=query.device).transpose(1, 2)
+
+
+def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``scaled_dot_product_attention``'s flash branch on CUDA (attention.cpp) with a stand-in kernel (which
+    computes nothing, so dropout, causality and scale do not matter: no mask is saved, philox regenerates it)."""
+    head_dim = query.size(-1)
+    # attention.cpp pads the head dim to a multiple of 8 before the kernel: the padded copies are what it saves
+    query, key, value = (_pad_last_dim(t, 8) for t in (query, key, value))
+    b, h, length = query.shape[:3]
+    out = _blhd_zeros(query, value.size(-1))
+    lse = torch.zeros(b, h, length, dtype=torch.float32, device=query.device)
+    # rng_state and unused: uint64 [2] and [] as in the meta kernel, on the device PyTorch's fake tensors give them
+    seed = torch.empty(2, dtype=torch.uint64, device=query.device)
+    offset = torch.empty((), dtype=torch.uint64, device=query.device)
+    result = _FusedAttention.apply(query, key, value, None, out, lse, seed, offset)
+    return result[..., :head_dim] if result.size(-1) != head_dim else result
+
+
+def _additive_mask(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``convert_boolean_attn_mask`` (attention.cpp): a bool mask becomes 0 / -inf in the query's dtype."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
+    return torch.where(mask.logical_not(), -math.inf, zero)
+
+
+def _efficient_bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``preprocess_mask`` (attention.cpp): pad the bias' last dim for 8-element alignment, expand to 4-D."""
+    aligned = all(s % 8 == 0 for s in mask.stride()[:-1]) and mask.stride(-1) == 1
+    if not aligned:
+        length = mask.size(-1)
+        mask = torch.nn.functional.pad(mask, (0, 8 - length % 8))[..., :length]
+    return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+
+
+def _efficient(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``scaled_dot_product_attention``'s efficient branch on CUDA (attention.cpp) with a stand-in kernel (as
+    :func:`_flash`, only the mask matters: it becomes the saved bias)."""
+    bias = _additive_mask(attn_mask, query.dtype)
+    if bias is not None:
+        bias = _efficient_bias(bias, query, key)
+    b, h, length = query.shape[:3]
+    # log_sumexp is only computed when backward will need it; its length is rounded up to 32 (meta kernel)
+    lse_len = math.ceil(length / 32) * 32 if _wants_grad(query, key, value) else 0
+    out = _blhd_zeros(query, value.size(-1))
+    lse = torch.zeros(b, h, lse_len, dtype=torch.float32, device=query.device)
+    seed = torch.empty((), dtype=torch.int64, device=query.device)
+    offset = torch.empty((), dtype=torch.int64, device=query.device)
+    return _FusedAttention.apply(query, key, value, bias, out, lse, seed, offset)
+
+
+def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor:
+    """The math branch: PyTorch's own composite, whose ``at::dropout`` goes through rule 1."""
+    mask = _additive_mask(attn_mask, query.dtype)
+    return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, mask, dropout_p, is_causal, None,
+                                                             scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def _sdpa_kernel(override: str):
+    """A CompositeImplicitAutograd kernel for ``aten::scaled_dot_product_attention`` that runs what CUDA runs.
+    Autocast has cast the arguments already (its kernel sits above this one and excludes itself, as on CUDA)."""
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+        backend = choose_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, override)
+        if backend == "math":
+            return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        unbatched = query.dim() == 3
+        if unbatched:
+            query, key, value = _as_4d(query, key, value)
+            attn_mask = attn_mask if attn_mask is None or attn_mask.dim() > 3 else attn_mask.unsqueeze(0)
+        out = _flash(query, key, value) if backend == "flash" else _efficient(query, key, value, attn_mask)
+        return out.squeeze(0) if unbatched else out
+
+    return sdpa
+
+
+# --- rule 5: rms_norm -------------------------------------------------------------------------------------------
+
+
+def _register_rms_norm(lib: torch.library.Library) -> None:
+    """Give ``_fused_rms_norm`` (and its backward) a CPU kernel, its own decomposition: the CPU then runs the op's
+    autograd node (saves input, weight, rstd) instead of decomposing it, as CUDA does. No-op on PyTorch builds
+    without the op, where rms_norm is a composite on every device."""
+    from torch._decomp import decomposition_table
+
+    aten = torch.ops.aten
+    if not hasattr(aten, "_fused_rms_norm") or not hasattr(aten, "_fused_rms_norm_backward"):
+        return
+    forward = decomposition_table.get(aten._fused_rms_norm.default)
+    backward = decomposition_table.get(aten._fused_rms_norm_backward.default)
+    if forward is None or backward is None:
+        return
+    lib.impl("_fused_rms_norm", forward, "CPU")
+    lib.impl("_fused_rms_norm_backward", backward, "CPU")
+
+
+# --- rule 4: autocast ------------------------------------------------------------------------------------------
+
+
+def _eligible(t: Any) -> bool:
+    """``is_eligible`` in autocast_mode.h: a floating tensor on the autocast device that is not float64."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.device.type == "cpu"
+
+
+def _cast_all(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if _eligible(t) and t.dtype != dtype else t, tree)
+
+
+def _redispatch(op, args, kwargs):
+    with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+        return op(*args, **kwargs)
+
+
+def _cast_kernel(op, dtype_of):
+    """An autocast kernel that casts every eligible tensor argument to ``dtype_of(args, kwargs)`` and redispatches
+    below autocast (``lower_precision_fp``, ``fp32`` and ``promote`` policies)."""
+
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+            args, kwargs = _cast_all((args, kwargs), dtype_of(args, kwargs))
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _widest(lower: torch.dtype):
+    """``promote_type``: the lower-precision dtype promoted with every eligible argument's dtype."""
+
+    def dtype_of(args, kwargs):
+        leaves = [t for t in tree_leaves((args, kwargs)) if _eligible(t)]
+        dtype = lower
+        for t in leaves:
+            dtype = torch.promote_types(dtype, t.dtype)
+        return dtype
+
+    return dtype_of
+
+
+def _set_opt_dtype_kernel(op):
+    """``fp32_set_opt_dtype``: when the first argument is eligible and no dtype was given, pass dtype=float32."""
+    names = [a.name for a in op._schema.arguments]
+    index = names.index("dtype")
+    kwarg_only = op._schema.arguments[index].kwarg_only
+
+    def kernel(*args, **kwargs):
+        if args and _eligible(args[0]):
+            given = kwargs.get("dtype") if kwarg_only or len(args) <= index else args[index]
+            if given is None:
+                if not kwarg_only and len(args) > index:
+                    args = (*args[:index], torch.float32, *args[index + 1:])
+                else:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+        return _redispatch(op, args, kwargs)
+
+    return kernel
+
+
+def _append_dtype_kernel(op, target):
+    """``fp32_append_dtype`` (``norm``): redispatch to the overload taking a dtype, with dtype=float32."""
+
+    def kernel(*args, **kwargs):
+        if args and _eligible(args[0]):
+            return _redispatch(target, args, {**kwargs, "dtype": torch.float32})
+        return _redispatch(op, args, kwargs)
+
+    return kernel
+
+
+def _overload(name: str):
+    packet_name, _, overload = name.partition(".")
+    packet = getattr(torch.ops.aten, packet_name, None)
+    return None if packet is None else getattr(packet, overload or "default", None)
+
+
+def _registered(key: str) -> set:
+    """aten ops with a kernel at dispatch key ``key``, as ``"op.overload"`` (``"op"`` for the default)."""
+    names = torch._C._dispatch_get_registrations_for_dispatch_key(key)
+    return {n[len("aten::"):] for n in names if n.startswith("aten::")}
+
+
+def _autocast_kernels(lower: torch.dtype) -> Dict[str, Any]:
+    """Autocast kernels implementing CUDA's policy, by op name."""
+    kernels: Dict[str, Any] = {}
+    fixed = {**{n: lower for n in _CUDA_LOWER}, **{n: torch.float32 for n in _CUDA_FP32}}
+    for name, dtype in fixed.items():
+        op = _overload(name)
+        if op is not None:
+            kernels[name] = _cast_kernel(op, lambda args, kwargs, dtype=dtype: dtype)
+    for name in _CUDA_PROMOTE:
+        op = _overload(name)
+        if op is not None:
+            kernels[name] = _cast_kernel(op, _widest(lower))
+    for name in _CUDA_FP32_SET_OPT_DTYPE:
+        op = _overload(name)
+        if op is not None:
+            kernels[name] = _set_opt_dtype_kernel(op)
+    for name, target in _CUDA_FP32_APPEND_DTYPE.items():
+        op, to = _overload(name), _overload(f"norm.{target}")
+        if op is not None and to is not None:
+            kernels[name] = _append_dtype_kernel(op, to)
+    return kernels
+
+
+def _register_autocast(lib: torch.library.Library, lower: torch.dtype) -> None:
+    """Make CPU autocast apply CUDA's policy: CUDA's kernel where the CPU has none or another policy, and a
+    fallthrough (no cast, as on CUDA) for ops only the CPU lists."""
+    # a build without AutocastCUDA registrations would make every CPU op fall through: use the tables instead
+    cpu, cuda = _registered("AutocastCPU"), _registered("AutocastCUDA") or set(_policy_names())
+    kernels = _autocast_kernels(lower)
+    for name, kernel in kernels.items():
+        if name not in cpu or name in _CPU_POLICY_DIFFERS:
+            lib.impl(name, kernel, "AutocastCPU")
+    for name in sorted(cpu - cuda - set(kernels)):
+        lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+
+
+# --- the context --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cuda_semantics(sdpa_backend: str = "auto", autocast_dtype: Optional[torch.dtype] = None) -> Iterator[None]:
+    """Within this context, CPU kernels save for backward what CUDA kernels would (see the module docstring).
+
+    Keep it active over the forward *and* the backward of the trace. Everything is restored on exit, also when the
+    body raises.
+
+    Args:
+        sdpa_backend: ``"auto"`` runs, per attention call, the backend CUDA would pick; ``"flash"``,
+            ``"efficient"`` or ``"math"`` force one (a forced fused backend that cannot run a call raises
+            ``ValueError``).
+        autocast_dtype: the dtype of the ``torch.autocast("cpu", dtype=...)`` the trace runs under; CPU autocast
+            then follows CUDA's op lists. ``None`` (no autocast) leaves autocast alone.
+
+    Raises:
+        ValueError: an unknown ``sdpa_backend`` or an ``autocast_dtype`` CUDA autocast does not support.
+    """
+    _check_backend(sdpa_backend)
+    lower = _check_autocast_dtype(autocast_dtype)
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("dropout", _dropout, "CompositeImplicitAutograd")
+        lib.impl("scaled_dot_product_attention", _sdpa_kernel(sdpa_backend), "CompositeImplicitAutograd")
+        _register_rms_norm(lib)
+        if lower is not None:
+            _register_autocast(lib, lower)
+        yield
+    finally:
+        lib._destroy()
+
+
+def _policy_names() -> Sequence[str]:
+    """Every op name the CUDA policy tables mention (for tests)."""
+    return (*_CUDA_LOWER, *_CUDA_FP32, *_CUDA_FP32_SET_OPT_DTYPE, *_CUDA_FP32_APPEND_DTYPE, *_CUDA_PROMOTE)

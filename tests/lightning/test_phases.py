@@ -1,0 +1,96 @@
+"""The step's peak per phase, through a Trainer: the forward, backward and optimizer peaks the callback logs on a
+CPU step equal what ``lightning-ckpt plan --model`` forecasts for the same LightningModule (within 10 %), with
+AdamW's ``foreach`` step off and on, and the end-of-fit report names the phase and the seed's advice for it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _lightning_models import trainer_kwargs
+from lightning.pytorch import Trainer, seed_everything
+from torch.utils.data import DataLoader
+
+from lightning_ckpt import ActivationCheckpointing
+from lightning_ckpt.core.units import GiB, MiB
+from lightning_ckpt.demos import GPTLightningModule
+from lightning_ckpt.forecast.trace import forecast_model
+
+B, T = 2, 64
+SMALL = dict(n_layer=4, n_embd=64, n_head=4, block_size=T, dropout=0.0)
+PHASES = ("forward", "backward", "optimizer")
+
+
+class ForeachGPT(GPTLightningModule):
+    """The demo module with the optimizer's ``foreach`` chosen (torch's CPU default is off)."""
+
+    def __init__(self, foreach: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.foreach = foreach
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        for group in opt.param_groups:
+            group["foreach"] = self.foreach
+        return opt
+
+
+class SameBatch(torch.utils.data.Dataset):
+    def __init__(self, batch, n=8):
+        self.batch, self.n = batch, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.batch
+
+
+def _fit(tmp_path, model, policy, steps=3):
+    cb = ActivationCheckpointing(policy=policy)
+    loader = DataLoader(SameBatch(model.example_batch(B, T)), batch_size=None)
+    trainer = Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=steps, log_every_n_steps=1,
+                                                        limit_val_batches=0, num_sanity_val_steps=0))
+    trainer.fit(model, train_dataloaders=loader)
+    cb.trainer = trainer
+    return cb
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["foreach off", "foreach on"])
+def test_logged_phase_peaks_match_the_forecast(tmp_path, foreach, capsys):
+    policies = ("none", "every:2", "all")
+    forecast = forecast_model(ForeachGPT, dict(SMALL, foreach=foreach),
+                              micro_batch=B, seq_len=T, policies=policies)
+    rows = []
+    for policy in policies:
+        seed_everything(0)
+        cb = _fit(tmp_path / policy, ForeachGPT(foreach=foreach, **SMALL), policy)
+        logged = {phase: cb.last_metrics[f"memory/peak_{phase}_gib"] * GiB for phase in PHASES}
+        for phase in PHASES:
+            planned = forecast.phase_peaks[policy][phase]
+            rows.append(f"foreach={foreach} {policy:<8} {phase:<9} planned {planned / MiB:7.3f} MiB  logged "
+                        f"{logged[phase] / MiB:7.3f} MiB  error {planned / logged[phase] - 1:+.2%}")
+            assert planned == pytest.approx(logged[phase], rel=0.10), rows[-1]
+        assert forecast.peak_phase[policy] == max(logged, key=logged.get), rows
+        ledger = cb.last_result.ledger
+        assert ledger.peak_phase == forecast.peak_phase[policy]
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))
+
+
+@pytest.mark.parametrize("policy, foreach, phase, words", [
+    ("none", False, "forward", "checkpointing (or a smaller micro-batch) is the lever"),
+    ("all", False, "backward", "replay adds its interior"),
+    ("all", True, "optimizer", "Checkpointing will not help here"),
+])
+def test_the_report_names_the_peak_phase_its_largest_line_and_the_advice(tmp_path, policy, foreach, phase, words):
+    seed_everything(0)
+    cb = _fit(tmp_path, ForeachGPT(foreach=foreach, **SMALL), policy)
+    text = cb.report(cb.trainer)
+    data = json.loads((tmp_path / "csv" / "version_0" / "lightning_ckpt_report.json").read_text())
+    assert data["peak_phase"] == phase and set(data["phases"]) == set(PHASES)
+    assert f"The step peaks in the {phase} phase" in text and words in text
+    assert f"{phase:<14}" in text and "<- the step's peak" in text
+    # the largest line at the optimizer peak of a small model is the model state, never the activations
+    assert data["phases"]["optimizer"]["dominant"] in ("params", "grads", "optimizer", "temporaries")
