@@ -319,8 +319,15 @@ class CheckpointPlan:
         return self
 
     # -- reporting
+    def annotate(self, notes: Sequence[str]) -> None:
+        """One line per block saying why it runs in its mode (a planner's explanation), shown by :meth:`summary`
+        until the plan changes again."""
+        if len(notes) != self.num_blocks:
+            raise ValueError(f"{len(notes)} notes given for {self.num_blocks} blocks; give one per block.")
+        self._notes = (self.layout, tuple(notes))
+
     def summary(self) -> str:
-        """A small table: block, class, mode, region."""
+        """A small table: block, class, mode, region, and a planner's note per block when there is one."""
         region_of = {id(f): r for r in self._regions for f in r.members}
         lines = [
             f"lightning_ckpt plan for {self._model_name}: policy {self.spec!r}, "
@@ -333,6 +340,9 @@ class CheckpointPlan:
             own = "own" if f.mode != "off" else "-"
             where = f"{region.members[0].index}-{region.members[-1].index}" if region else own
             lines.append(f"  {f.index:>3}  {f.name:<40} {type(f.block).__name__:<24} {f.mode:<10} {where}")
+        layout, notes = getattr(self, "_notes", (None, ()))
+        if notes and layout is self.layout:  # notes of an earlier plan say nothing about this one
+            lines = lines[:2] + [f"{row:<90}  {note}" for row, note in zip(lines[2:], notes)]
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -1,32 +1,81 @@
-"""Plan the cheapest per-block checkpointing whose predicted activation peak fits a budget.
+"""Plan the fastest per-block mix of checkpointing modes whose predicted activation peak fits a budget.
 
-Inputs are measured per block: ``interior`` (bytes the block keeps for backward when it is *not* checkpointed),
-``boundary`` (bytes it keeps when it *is*: its input) and ``recompute_s`` (its forward time, the price of a
-replay). ``base`` is the activation memory outside the blocks (embeddings, head, loss).
+Each block can run in one of several modes (:data:`SOLVER_MODES`), each with measured costs
+(:class:`BlockCost`, :meth:`BlockCost.options`):
 
-Peak model (blocks run 0…L-1 forward, L-1…0 backward):
+==============  ======================================  ===========================================  ==============
+mode            kept for backward (``kept``)            live while its backward runs (``replay``)    time per step
+==============  ======================================  ===========================================  ==============
+``off``         its interior (every saved tensor)       nothing beyond what is kept                  0
+``selective``   its input + the saved ops' outputs      input + interior (the rest is recomputed)    the replay
+``recompute``   its input (the boundary)                input + interior (the replay transient)      the replay
+``offload``     nothing on the device (CUDA only)       interior (brought back for its backward)     the copies
+==============  ======================================  ===========================================  ==============
 
-- end of forward: ``base + Σ cost_j`` with ``cost_j = boundary_j`` if checkpointed else ``interior_j``;
-- replay of checkpointed block i in backward: blocks after i are already freed, so
-  ``base + Σ_{j<i} cost_j + boundary_i + interior_i`` (the replay transient);
-- the peak is the larger of the two.
+``base`` is the activation memory outside the blocks (embeddings, head, loss).
 
-:func:`plan_budget` solves this exactly (a knapsack over blocks in order, see its docstring).
+Peak model (blocks run 0…L-1 forward, L-1…0 backward): at the end of the forward ``base + Σ kept_j``; while block
+i's backward runs, blocks after i are freed, so ``base + Σ_{j<i} kept_j + replay_i``; the peak is the larger.
+
+:func:`plan_budget` solves this exactly: a dynamic programme over blocks in order whose states are
+(bytes kept so far, worst transient so far, time so far), with states another state beats on all three dropped.
+It is exact because the peak of a prefix only depends on these three numbers (tested against brute force).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["BlockCost", "BudgetCalibration", "BudgetPlan", "plan_budget", "predict_peak"]
+from lightning_ckpt.core.units import format_bytes
+
+__all__ = ["SOLVER_MODES", "BlockCost", "BudgetCalibration", "BudgetPlan", "ModeCost", "plan_budget", "predict_peak",
+           "smallest_budget"]
+
+SOLVER_MODES = ("off", "selective", "recompute", "offload")
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    """One block in one mode: bytes kept for backward, bytes live while its backward runs, seconds added."""
+
+    mode: str
+    kept: int
+    replay: int
+    seconds: float
 
 
 @dataclass(frozen=True)
 class BlockCost:
+    """A block's measured costs. ``interior``: bytes it keeps un-checkpointed; ``boundary``: its input;
+    ``recompute_s``: one replay. ``selective_kept`` / ``selective_s``: bytes kept and replay time under op-level
+    selective checkpointing; ``offload_s``: the copies' time under offload (``None``: that mode is unavailable)."""
+
     interior: int
     boundary: int
     recompute_s: float
+    selective_kept: Optional[int] = None
+    selective_s: Optional[float] = None
+    offload_s: Optional[float] = None
+
+    def options(self, modes: Sequence[str] = SOLVER_MODES) -> List[ModeCost]:
+        """The modes this block can run in, among ``modes`` (``off`` always)."""
+        full = self.boundary + self.interior
+        out = [ModeCost("off", self.interior, 0, 0.0)]
+        if "selective" in modes and self.selective_kept is not None and self.selective_s is not None:
+            out.append(ModeCost("selective", self.selective_kept, max(self.selective_kept, full), self.selective_s))
+        if "recompute" in modes:
+            out.append(ModeCost("recompute", self.boundary, full, self.recompute_s))
+        if "offload" in modes and self.offload_s is not None:
+            out.append(ModeCost("offload", 0, self.interior, self.offload_s))
+        return out
+
+    def option(self, mode: str) -> ModeCost:
+        for option in self.options():
+            if option.mode == mode:
+                return option
+        raise ValueError(f"mode {mode!r} has no measured cost for this block; measured: "
+                         f"{[o.mode for o in self.options()]}.")
 
 
 @dataclass(frozen=True)
@@ -34,10 +83,13 @@ class BudgetPlan:
     """The chosen plan and what it predicts.
 
     Attributes:
-        modes: ``"recompute"`` or ``"off"`` per block.
+        modes: one of :data:`SOLVER_MODES` per block.
         predicted_peak: bytes, under the peak model above.
-        recompute_s: total replay time added per step.
-        fits: whether ``predicted_peak <= budget`` (``False`` means even checkpointing everything does not fit).
+        recompute_s: total time the plan adds per step (replays and copies).
+        fits: whether ``predicted_peak <= budget``.
+        budget: the budget asked for (bytes).
+        smallest_budget: the smallest budget any plan of these modes fits (bytes).
+        choices: per block, the :class:`ModeCost` chosen and the ``off`` cost, for :meth:`summary`.
     """
 
     modes: Tuple[str, ...]
@@ -45,78 +97,127 @@ class BudgetPlan:
     recompute_s: float
     fits: bool
     budget: int
+    smallest_budget: int = 0
+    choices: Tuple[Tuple[ModeCost, ModeCost], ...] = field(default=(), repr=False)
 
     def describe(self) -> str:
         chosen = [i for i, m in enumerate(self.modes) if m != "off"]
-        from lightning_ckpt.core.units import format_bytes
+        counts = {m: self.modes.count(m) for m in SOLVER_MODES if m != "off" and m in self.modes}
+        mix = ", ".join(f"{n} {m}" for m, n in counts.items()) or "nothing"
+        text = (f"budget {format_bytes(self.budget)}: {mix} of {len(self.modes)} blocks {chosen}, predicted "
+                f"activation peak {format_bytes(self.predicted_peak)}, added time {self.recompute_s * 1e3:.1f} ms/step")
+        if not self.fits:
+            text += (f" (does NOT fit: the smallest feasible budget is {format_bytes(self.smallest_budget)}; raise the "
+                     "budget to at least that, shorten the sequence or the micro-batch)")
+        return text
 
-        return (
-            f"budget {format_bytes(self.budget)}: checkpoint {len(chosen)}/{len(self.modes)} blocks {chosen}, "
-            f"predicted activation peak {format_bytes(self.predicted_peak)}, replay cost "
-            f"{self.recompute_s * 1e3:.1f} ms/step{'' if self.fits else ' (does NOT fit even with every block)'}"
-        )
+    def notes(self) -> List[str]:
+        """Per block, one line: what its mode keeps, saves against ``off`` and adds per step."""
+        return [f"keeps {format_bytes(chosen.kept)}, saves {format_bytes(off.kept - chosen.kept)}, replay peak "
+                f"{format_bytes(chosen.replay)}, +{chosen.seconds * 1e3:.2f} ms" for chosen, off in self.choices]
+
+    def summary(self) -> str:
+        """Per block: the mode chosen, what it saves against ``off`` and what it costs."""
+        header = f"  {'block':<6}{'mode':<11}{'kept':>12}{'saves':>12}{'replay peak':>13}{'adds ms':>9}"
+        rows = [self.describe(), header]
+        for i, (chosen, off) in enumerate(self.choices):
+            rows.append(f"  {i:<6}{chosen.mode:<11}{format_bytes(chosen.kept):>12}"
+                        f"{format_bytes(off.kept - chosen.kept):>12}{format_bytes(chosen.replay):>13}"
+                        f"{chosen.seconds * 1e3:>9.2f}")
+        return "\n".join(rows)
 
 
-def predict_peak(costs: Sequence[BlockCost], checkpointed: Sequence[bool], base: int = 0) -> int:
-    """Predicted activation peak (bytes) of a plan under the module's peak model."""
-    prefix = 0
-    transient = 0
-    for cost, ckpt in zip(costs, checkpointed):
-        if ckpt:
-            transient = max(transient, prefix + cost.boundary + cost.interior)
-            prefix += cost.boundary
-        else:
-            prefix += cost.interior
+def _as_modes(plan: Sequence[Union[bool, str]]) -> List[str]:
+    return [("recompute" if m else "off") if isinstance(m, bool) else m for m in plan]
+
+
+def predict_peak(costs: Sequence[BlockCost], plan: Sequence[Union[bool, str]], base: int = 0) -> int:
+    """Predicted activation peak (bytes) of a plan (modes, or ``True`` = recompute) under the peak model."""
+    prefix = transient = 0
+    for cost, mode in zip(costs, _as_modes(plan)):
+        option = cost.option(mode)
+        if option.replay:
+            transient = max(transient, prefix + option.replay)
+        prefix += option.kept
     return base + max(prefix, transient)
 
 
-def plan_budget(costs: Sequence[BlockCost], budget: int, base: int = 0, max_states: int = 4096) -> BudgetPlan:
-    """The least-replay-time plan whose predicted peak fits ``budget`` (or checkpoint-all if none does).
+_State = Tuple[int, int, float, Tuple[int, ...]]  # kept so far, worst transient, time, option index per block
 
-    Exact dynamic programme over blocks in order: a state is (bytes kept so far, worst replay transient so
-    far, replay time); states that another state beats on all three are dropped, and so are states already
-    over budget (both byte figures only grow). ``max_states`` bounds the frontier for very deep models, keeping
-    the fastest states.
-    """
-    states: List[Tuple[int, int, float, Tuple[bool, ...]]] = [(0, 0, 0.0, ())]
-    for cost in costs:
+
+def _frontier(options: Sequence[Sequence[ModeCost]], limit: Optional[int], base: int, max_states: int
+              ) -> List[_State]:
+    states: List[_State] = [(0, 0, 0.0, ())]
+    for block in options:
         grown = []
-        for prefix, transient, time, mask in states:
-            grown.append((prefix + cost.interior, transient, time, mask + (False,)))
-            replay = prefix + cost.boundary + cost.interior
-            grown.append((prefix + cost.boundary, max(transient, replay), time + cost.recompute_s, mask + (True,)))
-        feasible = [s for s in grown if base + max(s[0], s[1]) <= budget]
-        states = _pareto(feasible)[:max_states]
+        for prefix, transient, time, picks in states:
+            for k, option in enumerate(block):
+                worst = max(transient, prefix + option.replay) if option.replay else transient
+                grown.append((prefix + option.kept, worst, time + option.seconds, picks + (k,)))
+        if limit is not None:
+            grown = [s for s in grown if base + max(s[0], s[1]) <= limit]
+        states = _pareto(grown)[:max_states]
         if not states:
-            mask = [True] * len(costs)
-            return BudgetPlan(_modes(mask), predict_peak(costs, mask, base),
-                              sum(c.recompute_s for c in costs), False, budget)
-    prefix, transient, time, mask = min(states, key=lambda s: (s[2], max(s[0], s[1])))
-    return BudgetPlan(_modes(mask), base + max(prefix, transient), time, True, budget)
+            return []
+    return states
 
 
-def _pareto(states):
-    kept = []
+def smallest_budget(costs: Sequence[BlockCost], base: int = 0, modes: Sequence[str] = SOLVER_MODES,
+                    max_states: int = 4096) -> int:
+    """The lowest predicted activation peak any plan of ``modes`` reaches (bytes): the smallest feasible budget."""
+    options = [c.options(modes) for c in costs]
+    return min(base + max(s[0], s[1]) for s in _frontier(options, None, base, max_states))
+
+
+def plan_budget(costs: Sequence[BlockCost], budget: int, base: int = 0, modes: Sequence[str] = SOLVER_MODES,
+                max_states: int = 4096, strict: bool = False) -> BudgetPlan:
+    """The fastest plan whose predicted peak fits ``budget``.
+
+    Exact (see the module docstring); ``max_states`` bounds the frontier for very deep models, keeping the
+    fastest states. When nothing fits, ``strict`` raises a ``ValueError`` naming the smallest feasible budget;
+    otherwise the plan with the lowest peak is returned with ``fits=False``.
+    """
+    bad = [m for m in modes if m not in SOLVER_MODES]
+    if bad:
+        raise ValueError(f"budget modes {bad} are not solver modes; choose among {list(SOLVER_MODES)}.")
+    options = [c.options(modes) for c in costs]
+    floor = smallest_budget(costs, base, modes, max_states)
+    states = _frontier(options, budget, base, max_states)
+    if not states:
+        if strict:
+            raise ValueError(f"budget {format_bytes(budget)} cannot be met: the smallest feasible activation budget "
+                             f"with modes {list(modes)} is {format_bytes(floor)}; pass at least that.")
+        states = [min(_frontier(options, None, base, max_states), key=lambda s: (max(s[0], s[1]), s[2]))]
+    prefix, transient, time, picks = min(states, key=lambda s: (s[2], max(s[0], s[1])))
+    chosen = tuple(options[i][k] for i, k in enumerate(picks))
+    peak = base + max(prefix, transient)
+    return BudgetPlan(tuple(o.mode for o in chosen), peak, time, peak <= budget, budget, floor,
+                      tuple((o, opts[0]) for o, opts in zip(chosen, options)))
+
+
+def _pareto(states: List[_State]) -> List[_State]:
+    kept: List[_State] = []
     for state in sorted(states, key=lambda s: (s[2], s[0], s[1])):
         if not any(k[0] <= state[0] and k[1] <= state[1] for k in kept):
             kept.append(state)
     return kept
 
 
-def _modes(mask: Sequence[bool]) -> Tuple[str, ...]:
-    return tuple("recompute" if m else "off" for m in mask)
-
-
 class BudgetCalibration:
-    """Measure every block, choose the plan, verify it once: the ``budget:`` policy at run time (no Lightning).
+    """Measure every block in every mode, choose the plan, verify it once: the ``budget:`` policy at run time.
 
-    Steps (one optimizer step each, driven by the callback):
+    Steps (one optimizer step each, driven by the callback; no Lightning here):
 
-    1. ``every:2`` on blocks 0, 2, 4, …: the others run plain, so their saved bytes (``interior``) and forward
-       time (``recompute_s``) are measured by block hooks; 2. the complement, measuring the rest. The memory of
-       both calibration steps stays near the ``every:2`` level, never the un-checkpointed peak.
-    3. :func:`plan_budget` picks the plan; the step after it is measured and compared with the prediction;
-       if it does not fit, the budget is lowered by the overshoot and the plan is chosen again, once.
+    1. For each mode in ``modes`` (default ``recompute`` and ``selective``; ``offload`` too on CUDA), two steps:
+       the mode on blocks 0, 2, 4, … and ``off`` on the others, then the complement. ``off`` blocks give their
+       saved bytes (``interior``) and forward time; blocks in the mode give the bytes they keep (exact live count:
+       calibration steps are exact reference steps) and the time the mode adds — the replay, timed by a replay
+       hook in backward (recompute, selective), or the forward's extra time, twice (offload: out and back).
+       Memory stays between the ``every:2`` level and the un-checkpointed one, never above it.
+    2. Time is noisy on a shared machine: blocks of one class share the median of their measured times per mode
+       (a Transformer's blocks are alike); bytes stay per block.
+    3. :func:`plan_budget` picks the plan; the step after it is measured and compared with the prediction; if it
+       does not fit, the budget is lowered by the overshoot and the plan is chosen again, once.
 
     Args:
         plan: the :class:`~lightning_ckpt.core.wrap.CheckpointPlan` to drive.
@@ -125,17 +226,26 @@ class BudgetCalibration:
         synchronize: called around block timings (``torch.cuda.synchronize`` on a GPU) during calibration only.
         apply: sets the per-block modes (default ``plan.set_modes``); the Lightning edge passes its own, so that
             every plan change goes through its safety checks.
+        modes: the modes the plan may mix with ``off``.
     """
 
-    def __init__(self, plan, meter, budget: int, synchronize=None, apply=None) -> None:
+    def __init__(self, plan, meter, budget: int, synchronize=None, apply=None,
+                 modes: Sequence[str] = ("recompute", "selective")) -> None:
         self.plan, self.meter, self.budget = plan, meter, budget
         self.synchronize = synchronize or (lambda: None)
         self.apply = apply or plan.set_modes
+        self.modes = tuple(m for m in modes if m != "off")
+        bad = [m for m in self.modes if m not in SOLVER_MODES]
+        if bad:
+            raise ValueError(f"budget modes {bad} are not solver modes; choose among {list(SOLVER_MODES)}.")
+        self.stages = [(mode, parity) for mode in self.modes for parity in (0, 1)]
         n = plan.num_blocks
         self.interior: List[int] = [0] * n
         self.boundary: List[int] = [0] * n
-        self.seconds: List[float] = [0.0] * n
-        self.stage = 0  # 0, 1: calibration steps; 2: first planned step (verify); 3: corrected/verified
+        self.seconds: List[float] = [0.0] * n  # forward time, off
+        self.kept: Dict[str, List[Optional[int]]] = {m: [None] * n for m in self.modes}
+        self.mode_seconds: Dict[str, List[List[float]]] = {m: [[] for _ in range(n)] for m in self.modes}
+        self.stage = 0  # < len(stages): calibration steps; == len(stages): first planned step (verify); then done
         self.chosen: "BudgetPlan | None" = None
         self.measured: "int | None" = None
         self.messages: List[str] = []
@@ -146,60 +256,90 @@ class BudgetCalibration:
 
     @property
     def calibrating(self) -> bool:
-        return self.stage < 2
+        return self.stage < len(self.stages)
 
     @property
     def done(self) -> bool:
-        return self.stage >= 3
+        return self.stage > len(self.stages)
 
     def begin_step(self) -> None:
         """Before the first micro-batch of an optimizer step: set the modes for this stage."""
-        if self.stage in (0, 1):
-            self.apply(["recompute" if m else "off" for m in self._mask(self.stage)])
+        if self.calibrating:
+            self.apply(self._stage_modes(self.stage))
             if not self._handles:
                 self._install()
 
     def end_step(self, activations: int) -> None:
         """After the optimizer step, with the step's measured activation peak (bytes)."""
-        if self.stage in (0, 1):
+        if self.calibrating:
             self._calibration_peaks.append(activations)
             self.stage += 1
-            if self.stage == 2:
+            if not self.calibrating:
                 self._remove()
-                # what the blocks do not explain (embeddings, logits, loss): the larger residual of the two steps
-                self._base = max(0, max(peak - predict_peak(self.costs(), self._mask(stage))
+                # what the blocks do not explain (embeddings, logits, loss): the largest residual of the steps
+                costs = self.costs()
+                self._base = max(0, max(peak - predict_peak(costs, self._stage_modes(stage))
                                         for stage, peak in enumerate(self._calibration_peaks)))
                 self._choose(self.budget)
             return
-        if self.stage == 2:
+        if not self.done:
             self.measured = activations
             self.messages.append(f"budget plan: predicted {self.chosen.predicted_peak / 2**20:.1f} MiB, measured "
                                  f"{activations / 2**20:.1f} MiB")
             if activations > self.budget and self.chosen.fits:
                 self._choose(self.budget - (activations - self.chosen.predicted_peak))
                 self.messages.append("budget plan corrected once: the measured peak exceeded the budget")
-            self.stage = 3
+            self.stage += 1
 
-    def _mask(self, stage: int) -> List[bool]:
-        return [i % 2 == stage for i in range(self.plan.num_blocks)]
+    def _stage_modes(self, stage: int) -> List[str]:
+        mode, parity = self.stages[stage]
+        return [mode if i % 2 == parity else "off" for i in range(self.plan.num_blocks)]
 
     def costs(self) -> List[BlockCost]:
-        return [BlockCost(i, b, s) for i, b, s in zip(self.interior, self.boundary, self.seconds)]
+        """The measured :class:`BlockCost` of every block (times: the median over blocks of the same class)."""
+        classes = [type(b).__name__ for b in self.plan.blocks]
+
+        def shared(values_by_block: Sequence[Sequence[float]], i: int) -> Optional[float]:
+            pooled = sorted(v for j, vs in enumerate(values_by_block) if classes[j] == classes[i] for v in vs)
+            return pooled[len(pooled) // 2] if pooled else None
+
+        forward = [[s] if s else [] for s in self.seconds]
+        out = []
+        for i in range(self.plan.num_blocks):
+            replay = shared(self.mode_seconds.get("recompute", []), i) if "recompute" in self.modes else None
+            selective_kept = self.kept.get("selective", [None] * (i + 1))[i]
+            offload = shared(self.mode_seconds["offload"], i) if "offload" in self.modes else None
+            out.append(BlockCost(
+                self.interior[i], self.boundary[i],
+                recompute_s=replay if replay is not None else (shared(forward, i) or 0.0),
+                selective_kept=selective_kept,
+                selective_s=shared(self.mode_seconds["selective"], i) if selective_kept is not None else None,
+                offload_s=offload))
+        return out
 
     def _choose(self, budget: int) -> None:
-        self.chosen = plan_budget(self.costs(), max(budget, 0), base=self._base)
+        self.chosen = plan_budget(self.costs(), max(budget, 0), base=self._base, modes=("off", *self.modes))
         self.apply(self.chosen.modes)
-        self.messages.append(self.chosen.describe())
+        self.plan.annotate(self.chosen.notes())
+        self.messages.append(self.chosen.summary())
 
     def _install(self) -> None:
+        from lightning_ckpt.core.replay import register_replay_hook
+
         for index, block in enumerate(self.plan.blocks):
             self._handles.append(block.register_forward_pre_hook(self._pre(index)))
             self._handles.append(block.register_forward_hook(self._post(index)))
+        self._handles.append(register_replay_hook(self._replay))
 
     def _remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def _live(self) -> int:
+        """Bytes live now: the exact count on exact steps, else the saved-tensor view."""
+        live = self.meter.live_bytes()
+        return live if live is not None else (self.meter.live_saved_bytes() or 0)
 
     def _pre(self, index: int):
         import time
@@ -212,7 +352,7 @@ class BudgetCalibration:
             self.boundary[index] = max(self.boundary[index], sum(
                 a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
             self.synchronize()
-            self._open[index] = (time.perf_counter(), self.meter.live_saved_bytes() or 0)
+            self._open[index] = (time.perf_counter(), self.meter.live_saved_bytes() or 0, self._live())
 
         return hook
 
@@ -223,9 +363,38 @@ class BudgetCalibration:
             if index not in self._open:
                 return
             self.synchronize()
-            t0, live0 = self._open.pop(index)
-            self.seconds[index] = time.perf_counter() - t0
-            if self.plan.modes[index] == "off":
-                self.interior[index] = (self.meter.live_saved_bytes() or 0) - live0
+            t0, saved0, live0 = self._open.pop(index)
+            elapsed = time.perf_counter() - t0
+            mode = self.plan.modes[index]
+            if mode == "off":
+                self.seconds[index] = elapsed
+                self.interior[index] = (self.meter.live_saved_bytes() or 0) - saved0
+            elif mode in self.kept:
+                # what the block leaves alive: its output (the next block's boundary) and what the mode keeps
+                self.kept[mode][index] = max(self._live() - live0 - self._output_bytes(output), 0) \
+                    + self.boundary[index]
+                if mode == "offload" and self.seconds[index]:
+                    self.mode_seconds[mode][index].append(2 * max(elapsed - self.seconds[index], 0.0))
 
         return hook
+
+    @staticmethod
+    def _output_bytes(output) -> int:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        return sum(t.numel() * t.element_size() for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor))
+
+    def _replay(self, owner, fn, args, kwargs):
+        import time
+
+        index, mode = getattr(owner, "index", None), getattr(owner, "mode", None)
+        if index is None or mode not in self.mode_seconds:
+            return fn(*args, **kwargs)
+        self.synchronize()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:  # checkpoint's early stop ends a replay with an exception once everything needed is recomputed
+            self.synchronize()
+            self.mode_seconds[mode][index].append(time.perf_counter() - t0)

@@ -32,7 +32,7 @@ from lightning_ckpt.decide.report import ledger_report, length_reading, report_t
 from lightning_ckpt.decide.safety import preflight
 from lightning_ckpt.decide.verify import verify_equivalence
 from lightning_ckpt.lightning import conflicts, shims
-from lightning_ckpt.lightning.metrics import log_metrics, reduce_across_ranks, tensorboard_layout
+from lightning_ckpt.lightning.metrics import block_metrics, log_metrics, reduce_across_ranks, tensorboard_layout
 from lightning_ckpt.lightning.recovery import StepGuard
 from lightning_ckpt.lightning.settings import Settings
 from lightning_ckpt.measure.ledger import state_tensors
@@ -165,7 +165,10 @@ class CheckpointingEngine:
             budget = s.budget.budget
             budget = int(budget * self.capacity) if isinstance(budget, float) else budget
             sync = torch.cuda.synchronize if device.type == "cuda" else None
-            self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes)
+            # offload is a mode only where host memory is not the device's own memory
+            modes = ("recompute", "selective", "offload") if device.type == "cuda" else ("recompute", "selective")
+            self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
+                                                 modes=modes)
         if s.measure and not trainer.loggers and not self._warned_no_logger:
             self._warned_no_logger = True
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -273,6 +276,8 @@ class CheckpointingEngine:
             metrics = dict(metrics, **reduce_across_ranks(trainer.strategy, {key: metrics[key]}))
         if self.controller is not None:
             metrics[self._key("checkpointing/level")] = float(self.controller.level)
+        if self.calibration is not None and self.calibration.chosen is not None:  # this rank's plan: not reduced
+            metrics.update(block_metrics(self.calibration.chosen, self.settings.prefix))
         self.last_metrics = metrics
         if self._logging:
             log_metrics(pl_module, metrics, self.settings.prefix)
@@ -337,12 +342,19 @@ class CheckpointingEngine:
         data = ledger_report(self.last_result.ledger, plan.spec if plan else "none", self.settings.ladder,
                              history={"activations_vs_seq_len": reading} if reading else None,
                              all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks))
+        chosen = self.calibration.chosen if self.calibration is not None else None
+        if chosen is not None:
+            data["budget_plan"] = {
+                "budget": chosen.budget, "predicted_peak": chosen.predicted_peak, "measured": self.calibration.measured,
+                "smallest_budget": chosen.smallest_budget, "added_s": chosen.recompute_s,
+                "blocks": [{"mode": c.mode, "kept": c.kept, "saves": off.kept - c.kept, "replay": c.replay,
+                            "seconds": c.seconds} for c, off in chosen.choices]}
         folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None
         if folder is not None and trainer.is_global_zero:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, REPORT_FILE), "w") as fh:
                 json.dump(data, fh, indent=2)
-        return report_text(data)
+        return report_text(data) + (f"\n  per block, as the budget chose:\n{chosen.summary()}" if chosen else "")
 
     def release(self, trainer: "pl.Trainer") -> None:
         """Remove every hook and shim this engine installed (teardown, or a run that raised)."""

@@ -13,12 +13,13 @@ from typing import Any, Dict, List
 
 import torch
 
-__all__ = ["TENSORBOARD_LAYOUT", "log_metrics", "reduce_across_ranks", "tensorboard_layout"]
+__all__ = ["TENSORBOARD_LAYOUT", "block_metrics", "log_metrics", "reduce_across_ranks", "tensorboard_layout"]
 
 
 def tensorboard_layout(prefix: str) -> Dict[str, Dict[str, List[Any]]]:
     """The custom-scalars layout: the ledger lines in one "Memory" chart beside "Throughput", "Phases" (the peak of
-    the forward, the backward and the optimizer step) and "Checkpointing"."""
+    the forward, the backward and the optimizer step) and "Checkpointing" (with a budget plan's bytes kept and
+    replayed per block)."""
     root = f"{prefix}/" if prefix else ""
     memory = [f"{root}memory/{k}_gib" for k in
               ("peak_allocated", "peak_reserved", "activations", "autocast_copies", "params", "grads", "optimizer",
@@ -31,8 +32,22 @@ def tensorboard_layout(prefix: str) -> Dict[str, Dict[str, List[Any]]]:
         "Phases": {"peak per phase (GiB)": ["Multiline", [f"{root}memory/peak_{phase}_gib"
                                                           for phase in ("forward", "backward", "optimizer")]]},
         "Checkpointing": {"blocks and level": ["Multiline", [f"{root}checkpointing/blocks",
-                                                             f"{root}checkpointing/level"]]},
+                                                             f"{root}checkpointing/level"]],
+                          # tags are regular expressions: one line per block of a budget plan
+                          "kept per block (GiB)": ["Multiline", [rf"{root}blocks/\d+_kept_gib"]],
+                          "replay peak per block (GiB)": ["Multiline", [rf"{root}blocks/\d+_replay_gib"]]},
     }
+
+
+def block_metrics(plan: Any, prefix: str) -> Dict[str, float]:
+    """Per block of a budget plan (:class:`~lightning_ckpt.decide.budget.BudgetPlan`): the bytes it keeps for
+    backward and the bytes live while its backward runs, in GiB, keyed ``blocks/07_kept_gib`` / ``_replay_gib``."""
+    root = f"{prefix}/" if prefix else ""
+    out: Dict[str, float] = {}
+    for i, (chosen, _) in enumerate(plan.choices):
+        out[f"{root}blocks/{i:02d}_kept_gib"] = chosen.kept / 2**30
+        out[f"{root}blocks/{i:02d}_replay_gib"] = chosen.replay / 2**30
+    return out
 
 
 TENSORBOARD_LAYOUT = tensorboard_layout("")

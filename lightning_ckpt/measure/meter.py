@@ -277,6 +277,10 @@ class StepMeter:
     def is_open(self) -> bool:
         return self._open
 
+    def live_bytes(self) -> Optional[int]:
+        """Bytes of every storage the step's forward created that is alive now (exact steps only, else ``None``)."""
+        return self._live.live + self._live.copies_live if self._live is not None else None
+
     def live_saved_bytes(self) -> Optional[int]:
         """Bytes held for backward right now (outer hooks' view), or ``None`` when activations aren't counted."""
         return self._saved.live if self._saved is not None else None

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from lightning_ckpt.decide.budget import BlockCost, plan_budget, predict_peak
+from lightning_ckpt.decide.budget import BlockCost, plan_budget, predict_peak, smallest_budget
 
 MiB = 2**20
 UNIFORM = [BlockCost(interior=10 * MiB, boundary=1 * MiB, recompute_s=0.01)] * 6
@@ -48,10 +48,16 @@ def test_heterogeneous_blocks_match_exhaustive_search():
         assert plan.fits and plan.recompute_s == pytest.approx(best)
 
 
-def test_unreachable_budget_checkpoints_everything_and_says_so():
+def test_unreachable_budget_takes_the_lowest_peak_and_names_the_smallest_feasible_budget():
     plan = plan_budget(UNIFORM, 5 * MiB)
-    assert not plan.fits and plan.modes == ("recompute",) * 6
-    assert "does NOT fit" in plan.describe()
+    # the last block is replayed right after the forward: keeping it un-checkpointed costs no more memory (15 MiB)
+    # than replaying it would, so the lowest peak is 5 boundaries + one interior, not 6 + one interior
+    assert not plan.fits and plan.modes == ("recompute",) * 5 + ("off",)
+    assert plan.predicted_peak == plan.smallest_budget == 15 * MiB == smallest_budget(UNIFORM)
+    assert "does NOT fit: the smallest feasible budget is 15.0 MiB" in plan.describe()
+    with pytest.raises(ValueError, match=r"budget 5.0 MiB cannot be met: the smallest feasible activation budget "
+                                         r"with modes \['off', 'selective', 'recompute', 'offload'\] is 15.0 MiB"):
+        plan_budget(UNIFORM, 5 * MiB, strict=True)
 
 
 def test_generous_budget_checkpoints_nothing():
@@ -84,12 +90,14 @@ def test_budget_policy_in_a_trainer_calibrates_then_fits(tmp_path):
 
     cb, rec = ActivationCheckpointing(policy=f"budget:{budget}"), Record()
     seed_everything(0)
-    Trainer(**trainer_kwargs(tmp_path / "budget", max_steps=5, log_every_n_steps=1),
+    Trainer(**trainer_kwargs(tmp_path / "budget", max_steps=7, log_every_n_steps=1),
             callbacks=[cb, rec]).fit(TinyTransformer(batch_size=16))
     chosen = cb.calibration.chosen
     assert cb.calibration.done and chosen.fits
-    assert sum(m != "off" for m in chosen.modes) == 2
-    assert all(act <= budget for _, act in rec.rows[2:])
+    assert 1 <= sum(m != "off" for m in chosen.modes) < 4
+    calibration_steps = len(cb.calibration.stages)  # recompute and selective, each on the even then the odd blocks
+    assert calibration_steps == 4
+    assert all(act <= budget for _, act in rec.rows[calibration_steps:])
     assert cb.calibration.measured == pytest.approx(chosen.predicted_peak, rel=0.10)
     assert all_ < every2 < none
 
@@ -102,3 +110,108 @@ def test_budget_with_auto_threshold_or_fraction_without_capacity_is_refused():
     with pytest.raises(ValueError, match="capacity='24GiB'"):
         ActivationCheckpointing(policy="budget:0.5")
     assert ActivationCheckpointing(policy="budget:0.5", capacity="8GiB").settings.budget.budget == 0.5
+
+
+def _random_costs(rng, n, offload):
+    costs = []
+    for _ in range(n):
+        interior, boundary = rng.randint(8, 40) * MiB, rng.randint(1, 4) * MiB
+        costs.append(BlockCost(interior, boundary, recompute_s=rng.uniform(0.005, 0.05),
+                               selective_kept=boundary + rng.randint(1, interior // MiB - 1) * MiB,
+                               selective_s=rng.uniform(0.001, 0.02),
+                               offload_s=rng.uniform(0.001, 0.08) if offload else None))
+    return costs
+
+
+def _brute_force(costs, budget, base, modes):
+    best = None
+    for plan in itertools.product(*[[o.mode for o in c.options(modes)] for c in costs]):
+        if predict_peak(costs, plan, base) <= budget:
+            t = sum(c.option(m).seconds for c, m in zip(costs, plan))
+            best = t if best is None else min(best, t)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_mixed_mode_solver_is_optimal_against_brute_force(seed):
+    import random
+
+    rng = random.Random(seed)
+    offload = seed % 2 == 0
+    costs, base = _random_costs(rng, 5, offload), rng.randint(0, 8) * MiB
+    modes = ("off", "selective", "recompute", "offload") if offload else ("off", "selective", "recompute")
+    floor = min(predict_peak(costs, plan, base)
+                for plan in itertools.product(*[[o.mode for o in c.options(modes)] for c in costs]))
+    assert smallest_budget(costs, base, modes) == floor
+    none = predict_peak(costs, ["off"] * 5, base)
+    for fraction in (0.0, 0.2, 0.5, 0.8, 1.0):
+        budget = int(floor + fraction * (none - floor))
+        plan = plan_budget(costs, budget, base, modes)
+        assert plan.fits and plan.predicted_peak == predict_peak(costs, plan.modes, base) <= budget
+        assert plan.recompute_s == pytest.approx(_brute_force(costs, budget, base, modes))
+        assert set(plan.modes) <= set(modes)
+
+
+def test_summary_explains_each_block():
+    costs = [BlockCost(20 * MiB, 2 * MiB, 0.010, selective_kept=6 * MiB, selective_s=0.002)] * 4
+    plan = plan_budget(costs, 50 * MiB, modes=("off", "selective", "recompute"))
+    assert plan.fits and "selective" in plan.modes
+    rows = plan.summary().splitlines()
+    assert rows[1].split() == ["block", "mode", "kept", "saves", "replay", "peak", "adds", "ms"]
+    selective = next(r for r in rows[2:] if "selective" in r)
+    assert "6.0 MiB" in selective and "14.0 MiB" in selective and "2.00" in selective
+
+
+def test_unknown_solver_mode_is_refused():
+    with pytest.raises(ValueError, match=r"budget modes \['turbo'\] are not solver modes; choose among"):
+        plan_budget(UNIFORM, 20 * MiB, modes=("off", "turbo"))
+
+
+@pytest.mark.parametrize("modes", [("off", "selective", "recompute", "off"), ("selective", "recompute", "selective",
+                                                                              "recompute"), ("recompute", "off", "off",
+                                                                                             "selective")])
+def test_mixed_plans_keep_float32_gradients_bitwise(modes):
+    import torch
+
+    from lightning_ckpt.core.wrap import apply_policy
+    from lightning_ckpt.demos.gpt import GPT, GPTConfig
+
+    def grads(plan_modes):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.tiny(n_layer=4, n_embd=64, n_head=4, vocab_size=96, block_size=32, dropout=0.1))
+        plan = apply_policy(model, "none")
+        if plan_modes is not None:
+            plan.set_modes(plan_modes)
+        idx = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(2)  # the dropout masks: a replay must draw the same ones
+        model(idx, idx)[1].backward()
+        return [p.grad for p in model.parameters()]
+
+    plain, mixed = grads(None), grads(modes)
+    assert all(torch.equal(a, b) for a, b in zip(plain, mixed))
+
+
+def test_budget_plan_is_explained_in_the_summary_the_report_and_tensorboard_tags(tmp_path):
+    import json
+
+    from _lightning_models import TinyTransformer, trainer_kwargs
+    from lightning.pytorch import Trainer, seed_everything
+
+    from lightning_ckpt import ActivationCheckpointing
+
+    seed_everything(0)
+    cb = ActivationCheckpointing(policy="budget:600KiB")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=6, log_every_n_steps=1), callbacks=[cb])
+    trainer.fit(TinyTransformer(batch_size=16))
+    chosen = cb.calibration.chosen
+    summary = cb.plan.summary()
+    assert all("keeps " in row and "saves " in row for row in summary.splitlines()[2:])
+    text = cb.report(trainer)
+    assert "per block, as the budget chose:" in text and chosen.describe() in text
+    data = json.loads((tmp_path / "csv" / "version_0" / "lightning_ckpt_report.json").read_text())
+    assert [b["mode"] for b in data["budget_plan"]["blocks"]] == list(chosen.modes)
+    assert data["budget_plan"]["budget"] == 600 * 1024
+    logged = cb.last_metrics
+    for i, (c, _) in enumerate(chosen.choices):
+        assert logged[f"blocks/{i:02d}_kept_gib"] * 2**30 == pytest.approx(c.kept)
+        assert logged[f"blocks/{i:02d}_replay_gib"] * 2**30 == pytest.approx(c.replay)

@@ -267,3 +267,53 @@ def test_plan_prints_the_device_and_the_three_phase_peaks(capsys):
     for policy in ("none", "all"):
         assert set(data["phase_peaks"][policy]) == {"forward", "backward", "optimizer"}
         assert data["peak"][policy] == max(data["phase_peaks"][policy].values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_planned_phase_peaks_within_10_percent_of_the_cuda_allocator(precision):
+    """``plan --device cuda`` vs ``torch.cuda.max_memory_allocated`` per phase on a real GPU: the demo benchmark
+    GPT (dropout 0.1, so the bool-mask rule matters), AdamW with torch's CUDA default (foreach), steady state."""
+    from lightning_ckpt.forecast.precision import parse_precision
+
+    target, args, mb, seq = "lightning_ckpt.demos.factories:benchmark_gpt", dict(dropout=0.1), 8, 512
+    policies = ("none", "every:2", "all")
+    forecast = forecast_model(target, args, micro_batch=mb, seq_len=seq, policies=policies, optimizer="adamw",
+                              precision=precision, device="cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = build_model(target, args).to(device).train()
+    batch = {k: v.to(device) for k, v in make_batch(model, mb, seq).items()}
+    plan = apply_policy(model, "none")
+    (opt,) = make_optimizers(model, "adamw")
+    mode = parse_precision(precision)
+
+    def phase(fn):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+
+    rows, held = [], {}
+
+    def forward():
+        with mode.forward_context("cuda"):
+            held["loss"] = step_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+
+    def backward():
+        held.pop("loss").backward()
+
+    for policy in policies:
+        plan.retarget(policy)
+        for _ in range(2):  # the optimizer state exists and the kernels' workspaces are allocated
+            forward(), backward(), opt.step()
+        measured = {"forward": phase(forward), "backward": phase(backward), "optimizer": phase(opt.step)}
+        for name, value in measured.items():
+            planned = forecast.phase_peaks[policy][name]
+            rows.append(f"{precision} {policy:<8} {name:<9} planned {planned / MiB:9.1f} MiB  measured "
+                        f"{value / MiB:9.1f} MiB  error {planned / value - 1:+.2%}")
+    print("\n" + "\n".join(rows))
+    for row in rows:
+        assert abs(float(row.split("error ")[1].rstrip("%")) / 100) <= 0.10, rows
