@@ -7,6 +7,8 @@ Sub-commands:
   :mod:`lightning_ckpt.forecast.trace`).
 - ``profile``: measure a LightningModule's step per policy, micro-batch and length, and recommend a
   configuration (see :mod:`lightning_ckpt.forecast.profile`).
+- ``frontier``: the fastest per-block plan at every activation budget beside the fixed modes, with a picture
+  (see :mod:`lightning_ckpt.forecast.profile.frontier`).
 
 Bad input prints one line ``lightning-ckpt <command>: error: ...`` on stderr and exits with status 2, before
 anything is written.
@@ -18,7 +20,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from lightning_ckpt.cli import plan, profile
+from lightning_ckpt.cli import frontier, plan, profile
 
 __all__ = ["main"]
 
@@ -35,12 +37,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     plan.add_parser(sub)
     profile.add_parser(sub)
+    frontier.add_parser(sub)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
     try:
-        return {"plan": plan.run, "profile": profile.run}[args.command](args)
+        return {"plan": plan.run, "profile": profile.run, "frontier": frontier.run}[args.command](args)
     except (ValueError, TypeError) as err:
         print(f"lightning-ckpt {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -30,7 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int, default=None, help="fixed micro-batch (default: smallest swept)")
     p.add_argument("--seq-len", type=int, default=None, help="fixed length (default: longest swept)")
     p.add_argument("--steps", type=int, default=3, help="measured steps per configuration (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up steps per configuration (default 1)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="warm-up steps per configuration (default 2: the first creates the optimizer state, the second "
+                        "is the steady state's exact reference step)")
     p.add_argument("--accumulate", type=int, default=None,
                    help="k of the accumulation baseline, micro-batch 1 x k (default: largest micro-batch; 0 skips)")
     p.add_argument("--budget", default=None, help="memory the recommendation must fit, e.g. 18GiB (default: capacity)")

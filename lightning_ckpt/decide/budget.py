@@ -12,10 +12,11 @@ mode            kept for backward (``kept``)            live while its backward 
 ``offload``     nothing on the device (CUDA only)       interior (brought back for its backward)     the copies
 ==============  ======================================  ===========================================  ==============
 
-``base`` is the activation memory outside the blocks (embeddings, head, loss).
+``base`` is the activation memory outside the blocks: ``(forward, backward)`` — at the end of the forward the
+logits and the loss are alive, in backward they are gone (an ``int`` is both).
 
-Peak model (blocks run 0…L-1 forward, L-1…0 backward): at the end of the forward ``base + Σ kept_j``; while block
-i's backward runs, blocks after i are freed, so ``base + Σ_{j<i} kept_j + replay_i``; the peak is the larger.
+Peak model (blocks run 0…L-1 forward, L-1…0 backward): at the end of the forward ``base_f + Σ kept_j``; while block
+i's backward runs, blocks after i are freed, so ``base_b + Σ_{j<i} kept_j + replay_i``; the peak is the larger.
 
 :func:`plan_budget` solves this exactly: a dynamic programme over blocks in order whose states are
 (bytes kept so far, worst transient so far, time so far), with states another state beats on all three dropped.
@@ -57,15 +58,21 @@ class BlockCost:
     selective_kept: Optional[int] = None
     selective_s: Optional[float] = None
     offload_s: Optional[float] = None
+    recompute_replay: Optional[int] = None
+    selective_replay: Optional[int] = None
 
     def options(self, modes: Sequence[str] = SOLVER_MODES) -> List[ModeCost]:
-        """The modes this block can run in, among ``modes`` (``off`` always)."""
+        """The modes this block can run in, among ``modes`` (``off`` always). A replay's live bytes are the
+        boundary plus what the replay creates, when measured (``*_replay``), else boundary + interior."""
         full = self.boundary + self.interior
         out = [ModeCost("off", self.interior, 0, 0.0)]
         if "selective" in modes and self.selective_kept is not None and self.selective_s is not None:
-            out.append(ModeCost("selective", self.selective_kept, max(self.selective_kept, full), self.selective_s))
+            replay = self.boundary + self.selective_replay if self.selective_replay is not None else full
+            out.append(ModeCost("selective", self.selective_kept, max(self.selective_kept, replay),
+                                self.selective_s))
         if "recompute" in modes:
-            out.append(ModeCost("recompute", self.boundary, full, self.recompute_s))
+            replay = self.boundary + self.recompute_replay if self.recompute_replay is not None else full
+            out.append(ModeCost("recompute", self.boundary, replay, self.recompute_s))
         if "offload" in modes and self.offload_s is not None:
             out.append(ModeCost("offload", 0, self.interior, self.offload_s))
         return out
@@ -131,7 +138,19 @@ def _as_modes(plan: Sequence[Union[bool, str]]) -> List[str]:
     return [("recompute" if m else "off") if isinstance(m, bool) else m for m in plan]
 
 
-def predict_peak(costs: Sequence[BlockCost], plan: Sequence[Union[bool, str]], base: int = 0) -> int:
+Base = Union[int, Tuple[int, int]]
+
+
+def _bases(base: Base) -> Tuple[int, int]:
+    return (base, base) if isinstance(base, int) else (int(base[0]), int(base[1]))
+
+
+def _peak(prefix: int, transient: int, base: Base) -> int:
+    forward, backward = _bases(base)
+    return max(forward + prefix, backward + transient if transient else 0)
+
+
+def predict_peak(costs: Sequence[BlockCost], plan: Sequence[Union[bool, str]], base: Base = 0) -> int:
     """Predicted activation peak (bytes) of a plan (modes, or ``True`` = recompute) under the peak model."""
     prefix = transient = 0
     for cost, mode in zip(costs, _as_modes(plan)):
@@ -139,13 +158,13 @@ def predict_peak(costs: Sequence[BlockCost], plan: Sequence[Union[bool, str]], b
         if option.replay:
             transient = max(transient, prefix + option.replay)
         prefix += option.kept
-    return base + max(prefix, transient)
+    return _peak(prefix, transient, base)
 
 
 _State = Tuple[int, int, float, Tuple[int, ...]]  # kept so far, worst transient, time, option index per block
 
 
-def _frontier(options: Sequence[Sequence[ModeCost]], limit: Optional[int], base: int, max_states: int
+def _frontier(options: Sequence[Sequence[ModeCost]], limit: Optional[int], base: Base, max_states: int
               ) -> List[_State]:
     states: List[_State] = [(0, 0, 0.0, ())]
     for block in options:
@@ -155,42 +174,54 @@ def _frontier(options: Sequence[Sequence[ModeCost]], limit: Optional[int], base:
                 worst = max(transient, prefix + option.replay) if option.replay else transient
                 grown.append((prefix + option.kept, worst, time + option.seconds, picks + (k,)))
         if limit is not None:
-            grown = [s for s in grown if base + max(s[0], s[1]) <= limit]
+            grown = [s for s in grown if _peak(s[0], s[1], base) <= limit]
         states = _pareto(grown)[:max_states]
         if not states:
             return []
     return states
 
 
-def smallest_budget(costs: Sequence[BlockCost], base: int = 0, modes: Sequence[str] = SOLVER_MODES,
+def smallest_budget(costs: Sequence[BlockCost], base: Base = 0, modes: Sequence[str] = SOLVER_MODES,
                     max_states: int = 4096) -> int:
     """The lowest predicted activation peak any plan of ``modes`` reaches (bytes): the smallest feasible budget."""
     options = [c.options(modes) for c in costs]
-    return min(base + max(s[0], s[1]) for s in _frontier(options, None, base, max_states))
+    return min(_peak(s[0], s[1], base) for s in _frontier(options, None, base, max_states))
 
 
-def plan_budget(costs: Sequence[BlockCost], budget: int, base: int = 0, modes: Sequence[str] = SOLVER_MODES,
-                max_states: int = 4096, strict: bool = False) -> BudgetPlan:
+def plan_budget(costs: Sequence[BlockCost], budget: int, base: Base = 0, modes: Sequence[str] = SOLVER_MODES,
+                max_states: int = 4096, strict: bool = False,
+                measured: Optional[Dict[Tuple[str, ...], int]] = None) -> BudgetPlan:
     """The fastest plan whose predicted peak fits ``budget``.
 
     Exact (see the module docstring); ``max_states`` bounds the frontier for very deep models, keeping the
-    fastest states. When nothing fits, ``strict`` raises a ``ValueError`` naming the smallest feasible budget;
-    otherwise the plan with the lowest peak is returned with ``fits=False``.
+    fastest states. ``measured`` maps plans (mode tuples) already run to their measured peaks: a measurement
+    beats the model, so those plans compete with their measured peak. When nothing fits, ``strict`` raises a
+    ``ValueError`` naming the smallest feasible budget; otherwise the plan with the lowest peak is returned with
+    ``fits=False``.
     """
     bad = [m for m in modes if m not in SOLVER_MODES]
     if bad:
         raise ValueError(f"budget modes {bad} are not solver modes; choose among {list(SOLVER_MODES)}.")
     options = [c.options(modes) for c in costs]
     floor = smallest_budget(costs, base, modes, max_states)
-    states = _frontier(options, budget, base, max_states)
+    known = {plan: peak for plan, peak in (measured or {}).items()
+             if len(plan) == len(costs) and all(m in [o.mode for o in opts] for m, opts in zip(plan, options))}
+    if known:
+        floor = min(floor, min(known.values()))
+    states = [s for s in _frontier(options, budget, base, max_states)
+              if known.get(tuple(options[i][k].mode for i, k in enumerate(s[3])), 0) <= budget]
+    for plan, peak in known.items():  # measured plans that fit, at the peak they were measured at
+        if peak <= budget:
+            picks = tuple([o.mode for o in opts].index(m) for m, opts in zip(plan, options))
+            states.append((peak - _bases(base)[0], 0, sum(options[i][k].seconds for i, k in enumerate(picks)), picks))
     if not states:
         if strict:
             raise ValueError(f"budget {format_bytes(budget)} cannot be met: the smallest feasible activation budget "
                              f"with modes {list(modes)} is {format_bytes(floor)}; pass at least that.")
-        states = [min(_frontier(options, None, base, max_states), key=lambda s: (max(s[0], s[1]), s[2]))]
-    prefix, transient, time, picks = min(states, key=lambda s: (s[2], max(s[0], s[1])))
+        states = [min(_frontier(options, None, base, max_states), key=lambda s: (_peak(s[0], s[1], base), s[2]))]
+    prefix, transient, time, picks = min(states, key=lambda s: (s[2], _peak(s[0], s[1], base)))
     chosen = tuple(options[i][k] for i, k in enumerate(picks))
-    peak = base + max(prefix, transient)
+    peak = known.get(tuple(o.mode for o in chosen), _peak(prefix, transient, base))
     return BudgetPlan(tuple(o.mode for o in chosen), peak, time, peak <= budget, budget, floor,
                       tuple((o, opts[0]) for o, opts in zip(chosen, options)))
 
@@ -208,12 +239,14 @@ class BudgetCalibration:
 
     Steps (one optimizer step each, driven by the callback; no Lightning here):
 
-    1. For each mode in ``modes`` (default ``recompute`` and ``selective``; ``offload`` too on CUDA), two steps:
-       the mode on blocks 0, 2, 4, … and ``off`` on the others, then the complement. ``off`` blocks give their
-       saved bytes (``interior``) and forward time; blocks in the mode give the bytes they keep (exact live count:
-       calibration steps are exact reference steps) and the time the mode adds — the replay, timed by a replay
-       hook in backward (recompute, selective), or the forward's extra time, twice (offload: out and back).
-       Memory stays between the ``every:2`` level and the un-checkpointed one, never above it.
+    1. For each mode in ``modes`` (default ``recompute`` and ``selective``; ``offload`` too on CUDA), the mode on
+       blocks 0, 2, 4, … and ``off`` on the others, then the complement; each of these two plans runs two steps:
+       a **bytes** step (the first step of a plan is an exact reference step: ``off`` blocks give their saved
+       bytes, blocks in the mode the bytes they keep and, in backward, what their replay creates) and a **time**
+       step (default mode, no per-operator tracking that would skew times): the forward of every block, and the
+       replay of the blocks in the mode. A mode's time is its forward's extra time over ``off`` plus its replay
+       (offload: the extra forward time twice, out and back). Memory stays between the ``every:2`` level and the
+       un-checkpointed one, never above it.
     2. Time is noisy on a shared machine: blocks of one class share the median of their measured times per mode
        (a Transformer's blocks are alike); bytes stay per block.
     3. :func:`plan_budget` picks the plan; the step after it is measured and compared with the prediction; if it
@@ -238,12 +271,16 @@ class BudgetCalibration:
         bad = [m for m in self.modes if m not in SOLVER_MODES]
         if bad:
             raise ValueError(f"budget modes {bad} are not solver modes; choose among {list(SOLVER_MODES)}.")
-        self.stages = [(mode, parity) for mode in self.modes for parity in (0, 1)]
+        # every block recomputed first: its peak is a replay in backward, which tells the backward base apart
+        self.stages = [("recompute", "all", "bytes")] * ("recompute" in self.modes) + [
+            (mode, parity, kind) for mode in self.modes for parity in (0, 1) for kind in ("bytes", "time")]
         n = plan.num_blocks
         self.interior: List[int] = [0] * n
         self.boundary: List[int] = [0] * n
-        self.seconds: List[float] = [0.0] * n  # forward time, off
+        self.seconds: List[List[float]] = [[] for _ in range(n)]  # forward time, off
         self.kept: Dict[str, List[Optional[int]]] = {m: [None] * n for m in self.modes}
+        self.replay_bytes: Dict[str, List[Optional[int]]] = {m: [None] * n for m in self.modes}
+        self.forward_seconds: Dict[str, List[List[float]]] = {m: [[] for _ in range(n)] for m in self.modes}
         self.mode_seconds: Dict[str, List[List[float]]] = {m: [[] for _ in range(n)] for m in self.modes}
         self.stage = 0  # < len(stages): calibration steps; == len(stages): first planned step (verify); then done
         self.chosen: "BudgetPlan | None" = None
@@ -251,12 +288,19 @@ class BudgetCalibration:
         self.messages: List[str] = []
         self._handles: list = []
         self._open: dict = {}
-        self._base = 0
+        self._base: Tuple[int, int] = (0, 0)
+        self.measured_plans: Dict[Tuple[str, ...], int] = {}  # plans run during calibration: their measured peak
         self._calibration_peaks: List[int] = []
 
     @property
     def calibrating(self) -> bool:
         return self.stage < len(self.stages)
+
+    @property
+    def base(self) -> Tuple[int, int]:
+        """Activation bytes the blocks do not explain, ``(at the end of the forward, in backward)``: known after
+        calibration."""
+        return self._base
 
     @property
     def done(self) -> bool:
@@ -272,14 +316,16 @@ class BudgetCalibration:
     def end_step(self, activations: int) -> None:
         """After the optimizer step, with the step's measured activation peak (bytes)."""
         if self.calibrating:
-            self._calibration_peaks.append(activations)
+            if self.stages[self.stage][2] == "bytes":
+                self._calibration_peaks.append(activations)
             self.stage += 1
             if not self.calibrating:
                 self._remove()
-                # what the blocks do not explain (embeddings, logits, loss): the largest residual of the steps
-                costs = self.costs()
-                self._base = max(0, max(peak - predict_peak(costs, self._stage_modes(stage))
-                                        for stage, peak in enumerate(self._calibration_peaks)))
+                # what the blocks do not explain (embeddings, logits, loss), forward and backward apart
+                byte_stages = [i for i, stage in enumerate(self.stages) if stage[2] == "bytes"]
+                self.measured_plans.update({tuple(self._stage_modes(i)): peak
+                                            for i, peak in zip(byte_stages, self._calibration_peaks)})
+                self._base = self._fit_base([self._stage_modes(i) for i in byte_stages], self._calibration_peaks)
                 self._choose(self.budget)
             return
         if not self.done:
@@ -292,33 +338,63 @@ class BudgetCalibration:
             self.stage += 1
 
     def _stage_modes(self, stage: int) -> List[str]:
-        mode, parity = self.stages[stage]
-        return [mode if i % 2 == parity else "off" for i in range(self.plan.num_blocks)]
+        mode, parity, _ = self.stages[stage]
+        return [mode if parity == "all" or i % 2 == parity else "off" for i in range(self.plan.num_blocks)]
+
+    def _fit_base(self, plans: Sequence[Sequence[str]], peaks: Sequence[int]) -> Tuple[int, int]:
+        """What the blocks do not explain, from the calibration steps: the forward base from the steps whose
+        predicted peak is the end of the forward, the backward base from those that peak in a replay (the larger
+        residual of each; the forward's when no step peaked in backward)."""
+        costs = self.costs()
+        forward: List[int] = []
+        backward: List[int] = []
+        for modes, peak in zip(plans, peaks):
+            prefix = transient = 0
+            for cost, mode in zip(costs, modes):
+                option = cost.option(mode)
+                transient = max(transient, prefix + option.replay) if option.replay else transient
+                prefix += option.kept
+            (forward if prefix >= transient else backward).append(peak - (prefix if prefix >= transient
+                                                                            else transient))
+        base_f = max(0, max(forward, default=0))
+        return base_f, max(0, max(backward)) if backward else base_f
 
     def costs(self) -> List[BlockCost]:
         """The measured :class:`BlockCost` of every block (times: the median over blocks of the same class)."""
-        classes = [type(b).__name__ for b in self.plan.blocks]
-
-        def shared(values_by_block: Sequence[Sequence[float]], i: int) -> Optional[float]:
-            pooled = sorted(v for j, vs in enumerate(values_by_block) if classes[j] == classes[i] for v in vs)
-            return pooled[len(pooled) // 2] if pooled else None
-
-        forward = [[s] if s else [] for s in self.seconds]
         out = []
         for i in range(self.plan.num_blocks):
-            replay = shared(self.mode_seconds.get("recompute", []), i) if "recompute" in self.modes else None
-            selective_kept = self.kept.get("selective", [None] * (i + 1))[i]
-            offload = shared(self.mode_seconds["offload"], i) if "offload" in self.modes else None
+            off = self._shared(self.seconds, i) or 0.0
+            recompute = self._mode_seconds("recompute", i, off)
+            selective_kept = self.kept["selective"][i] if "selective" in self.modes else None
             out.append(BlockCost(
-                self.interior[i], self.boundary[i],
-                recompute_s=replay if replay is not None else (shared(forward, i) or 0.0),
+                self.interior[i], self.boundary[i], recompute_s=recompute if recompute is not None else off,
                 selective_kept=selective_kept,
-                selective_s=shared(self.mode_seconds["selective"], i) if selective_kept is not None else None,
-                offload_s=offload))
+                selective_s=self._mode_seconds("selective", i, off) if selective_kept is not None else None,
+                offload_s=self._mode_seconds("offload", i, off),
+                recompute_replay=self.replay_bytes["recompute"][i] if "recompute" in self.modes else None,
+                selective_replay=self.replay_bytes["selective"][i] if "selective" in self.modes else None))
         return out
 
+    def _shared(self, values_by_block: Sequence[Sequence[float]], i: int) -> Optional[float]:
+        """The median of the values measured on every block of block ``i``'s class."""
+        classes = [type(b).__name__ for b in self.plan.blocks]
+        pooled = sorted(v for j, vs in enumerate(values_by_block) if classes[j] == classes[i] for v in vs)
+        return pooled[len(pooled) // 2] if pooled else None
+
+    def _mode_seconds(self, mode: str, i: int, off: float) -> Optional[float]:
+        """Seconds ``mode`` adds to block ``i`` per step: its forward's extra time over ``off`` plus its replay."""
+        if mode not in self.modes:
+            return None
+        forward, replay = self._shared(self.forward_seconds[mode], i), self._shared(self.mode_seconds[mode], i)
+        if mode == "offload":  # the copies out in the forward, and back in the backward
+            return None if forward is None else 2 * max(forward - off, 0.0)
+        if replay is None:
+            return None
+        return max((forward if forward is not None else off) - off, 0.0) + replay
+
     def _choose(self, budget: int) -> None:
-        self.chosen = plan_budget(self.costs(), max(budget, 0), base=self._base, modes=("off", *self.modes))
+        self.chosen = plan_budget(self.costs(), max(budget, 0), base=self._base, modes=("off", *self.modes),
+                                  measured=self.measured_plans)
         self.apply(self.chosen.modes)
         self.plan.annotate(self.chosen.notes())
         self.messages.append(self.chosen.summary())
@@ -330,6 +406,10 @@ class BudgetCalibration:
             self._handles.append(block.register_forward_pre_hook(self._pre(index)))
             self._handles.append(block.register_forward_hook(self._post(index)))
         self._handles.append(register_replay_hook(self._replay))
+
+    def close(self) -> None:
+        """Remove the calibration's hooks (idempotent): the run ended, calibrated or not."""
+        self._remove()
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -365,16 +445,15 @@ class BudgetCalibration:
             self.synchronize()
             t0, saved0, live0 = self._open.pop(index)
             elapsed = time.perf_counter() - t0
-            mode = self.plan.modes[index]
-            if mode == "off":
-                self.seconds[index] = elapsed
+            mode, kind = self.plan.modes[index], self.stages[self.stage][2] if self.calibrating else None
+            if kind == "time":
+                (self.seconds if mode == "off" else self.forward_seconds[mode])[index].append(elapsed)
+            elif kind == "bytes" and mode == "off":
                 self.interior[index] = (self.meter.live_saved_bytes() or 0) - saved0
-            elif mode in self.kept:
+            elif kind == "bytes" and mode in self.kept:
                 # what the block leaves alive: its output (the next block's boundary) and what the mode keeps
                 self.kept[mode][index] = max(self._live() - live0 - self._output_bytes(output), 0) \
                     + self.boundary[index]
-                if mode == "offload" and self.seconds[index]:
-                    self.mode_seconds[mode][index].append(2 * max(elapsed - self.seconds[index], 0.0))
 
         return hook
 
@@ -388,13 +467,23 @@ class BudgetCalibration:
     def _replay(self, owner, fn, args, kwargs):
         import time
 
+        from lightning_ckpt.measure.tracker import LiveBytes, exit_mode
+
         index, mode = getattr(owner, "index", None), getattr(owner, "mode", None)
-        if index is None or mode not in self.mode_seconds:
+        if index is None or mode not in self.mode_seconds or not self.calibrating:
             return fn(*args, **kwargs)
+        if self.stages[self.stage][2] == "bytes":  # what the replay creates, at its peak
+            scope = LiveBytes(self.meter.device)
+            scope.__enter__()
+            try:
+                return fn(*args, **kwargs)
+            finally:  # checkpoint's early stop ends a replay with an exception once everything needed is recomputed
+                exit_mode(scope)
+                self.replay_bytes[mode][index] = scope.total_peak
         self.synchronize()
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
-        finally:  # checkpoint's early stop ends a replay with an exception once everything needed is recomputed
+        finally:
             self.synchronize()
             self.mode_seconds[mode][index].append(time.perf_counter() - t0)

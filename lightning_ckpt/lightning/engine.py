@@ -361,6 +361,8 @@ class CheckpointingEngine:
         shims.remove_before_strategy_setup(trainer.strategy)
         shims.remove_optimizer_step_guard(trainer.strategy)
         self._release_handles()
+        if self.calibration is not None:  # a run that ends while calibrating leaves no hook behind
+            self.calibration.close()
         if self.monitor is not None:
             self.monitor.close()
 

@@ -1,0 +1,404 @@
+"""Issue 14: our per-block budget plan against the anchors' fixed modes, at 8 budgets, side by side in one process.
+
+For each model (the benchmark GPT at a CPU size, a Hugging Face Llama built from its config) and precision
+(float32, bf16 autocast):
+
+1. Measure ``none`` and ``all`` (PyTorch's MemTracker, the running peak of its ACT line: not our meter) and put
+   ``--budgets`` budgets evenly between the two activation peaks.
+2. Our plan at each budget: the plugin calibrates (:class:`lightning_ckpt.decide.budget.BudgetCalibration`),
+   :func:`lightning_ckpt.decide.budget.plan_budget` chooses the per-block mix, and the plan is applied with
+   ``CheckpointPlan.set_modes``.
+3. The anchors, implemented here from their public descriptions with plain ``torch.utils.checkpoint`` (not the
+   plugin):
+
+   - torchtitan ``full``: every block under non-reentrant checkpoint;
+   - torchtitan op-level selective: every block under selective checkpointing whose policy saves the outputs of
+     ``mm`` and the attention kernels, except every second ``mm`` (torchtitan's ``_op_sac_save_list`` policy);
+   - Megatron ``selective``: only the attention core (the SDPA / softmax / dropout / batched matmuls) recomputed;
+   - Megatron ``full`` ``block`` over N layers: the first N blocks checkpointed, N = 1 … L-1;
+   - Hugging Face ``every_n_layers`` (n = 2, 3): blocks 0, n, 2n, … checkpointed;
+   - ``none``.
+4. Every configuration's activation peak is measured by MemTracker, and its step (forward, backward, optimizer)
+   is timed in interleaved rounds (one untimed round first; medians and ranges reported).
+
+Targets per budget: our plan's measured peak ≤ budget (fits), and its step time ≤ 1.00× the fastest anchor that
+fits (≤ 1.02× reads as a tie on this noisy machine). ``--compile`` adds, per budget, ``torch.compile`` with
+``torch._functorch.config.activation_memory_budget`` set to the same fraction of ``none``'s peak against our plan
+compiled (activation figures there: bytes saved for backward, the only view into a compiled graph on the CPU).
+
+Usage::
+
+    python benchmarks/frontier.py                    # both models, float32 and bf16 autocast, 8 budgets
+    python benchmarks/frontier.py --quick            # small models, 4 budgets, 2 rounds (smoke)
+    python benchmarks/frontier.py --models gpt --precisions 32-true --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import header_lines, measure_memory  # noqa: E402
+
+from lightning_ckpt.core.blocks import find_blocks  # noqa: E402
+from lightning_ckpt.core.units import MiB  # noqa: E402
+from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing  # noqa: E402
+from lightning_ckpt.decide.budget import BudgetCalibration, plan_budget  # noqa: E402
+from lightning_ckpt.forecast.load import make_optimizers, step_loss  # noqa: E402
+from lightning_ckpt.forecast.precision import parse_precision  # noqa: E402
+from lightning_ckpt.measure.meter import StepMeter  # noqa: E402
+
+aten = torch.ops.aten
+TIE = 1.02
+
+
+def build(name: str, quick: bool):
+    from lightning_ckpt.demos import GPTLightningModule, HFCausalLMModule
+
+    layers, width, seq = (4, 128, 128) if quick else (8, 256, 256)
+    if name == "gpt":
+        return GPTLightningModule(n_layer=layers, n_embd=width, n_head=8, block_size=seq, dropout=0.0), seq
+    return HFCausalLMModule(arch="llama", n_layer=layers, n_embd=width, n_head=8, n_positions=seq,
+                            vocab_size=512), seq
+
+
+# ------------------------------------------------------------------------------------------ the anchors
+
+
+def _titan_op_sac_policy():
+    """torchtitan's op-level SAC: save compute-heavy ops' outputs, but recompute every second mm."""
+    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        save.add(aten._scaled_dot_product_flash_attention_for_cpu.default)  # the CPU's flash kernel
+    if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
+        save.add(aten._scaled_dot_product_cudnn_attention.default)
+
+    def context_fn():
+        counts = {"forward": 0, "recompute": 0}
+
+        def policy(ctx, func, *args, **kwargs):
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if func == aten.mm.default:
+                counts[mode] += 1
+            to_save = func in save and not (func == aten.mm.default and counts[mode] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
+def _megatron_selective_policy():
+    """Megatron's ``selective``: recompute the core attention only, keep everything else."""
+    core = {getattr(aten, n).default for n in ("_scaled_dot_product_efficient_attention",
+                                               "_scaled_dot_product_flash_attention",
+                                               "_scaled_dot_product_flash_attention_for_cpu",
+                                               "_scaled_dot_product_attention_math", "_softmax", "native_dropout",
+                                               "bmm", "baddbmm") if hasattr(aten, n)}
+
+    def context_fn():
+        def policy(ctx, func, *args, **kwargs):
+            return CheckpointPolicy.PREFER_RECOMPUTE if func in core else CheckpointPolicy.MUST_SAVE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
+def anchor_wrappers(num_blocks: int) -> Dict[str, Tuple[List[bool], Optional[Callable]]]:
+    """Anchor name → (which blocks are checkpointed, the ``context_fn`` or ``None`` for full recompute)."""
+    out: Dict[str, Tuple[List[bool], Optional[Callable]]] = {
+        "none": ([False] * num_blocks, None),
+        "torchtitan full": ([True] * num_blocks, None),
+        "torchtitan op-SAC": ([True] * num_blocks, _titan_op_sac_policy()),
+        "Megatron selective": ([True] * num_blocks, _megatron_selective_policy()),
+    }
+    for n in range(1, num_blocks):
+        out[f"Megatron block {n}"] = ([i < n for i in range(num_blocks)], None)
+    for n in (2, 3):
+        out[f"HF every_n_layers={n}"] = ([i % n == 0 for i in range(num_blocks)], None)
+    return out
+
+
+class AnchorWrap:
+    """Wrap the chosen blocks' forward in ``torch.utils.checkpoint`` (plain PyTorch); ``remove()`` restores them."""
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], mask: Sequence[bool], context_fn: Optional[Callable]):
+        self.blocks = [b for b, m in zip(blocks, mask) if m]
+        kwargs = {"use_reentrant": False}
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
+        for block in self.blocks:
+            block.forward = functools.partial(checkpoint, type(block).forward.__get__(block), **kwargs)
+
+    def remove(self) -> None:
+        for block in self.blocks:
+            del block.forward
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+class Bench:
+    """One model in one precision: its step, its configurations, their peaks and times."""
+
+    def __init__(self, module, seq: int, micro_batch: int, precision: str) -> None:
+        self.module, self.precision = module, parse_precision(precision)
+        if self.precision.param_dtype is not None:
+            module.to(self.precision.param_dtype)
+        module.train()
+        self.batch = module.example_batch(micro_batch, seq)
+        self.opts = make_optimizers(module, None)
+        self.blocks = [b for _, b in find_blocks(module)]
+        self.step()
+
+    def step(self) -> None:
+        with self.precision.forward_context("cpu"):
+            loss = step_loss(self.module, self.batch)
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        del loss
+        for opt in self.opts:
+            opt.step()
+
+    def fwd_bwd(self) -> None:
+        with self.precision.forward_context("cpu"):
+            loss = step_loss(self.module, self.batch)
+        loss.backward()
+        del loss
+        self.module.zero_grad(set_to_none=True)
+
+    def peak(self) -> int:
+        """MemTracker's activation peak of one forward + backward (independent of the plugin)."""
+        tensors = [t for t in (self.batch.values() if isinstance(self.batch, dict) else self.batch)
+                   if isinstance(t, torch.Tensor)]
+        return measure_memory(self.fwd_bwd, external=(self.module, *tensors)).act_peak
+
+    def seconds(self) -> float:
+        gc.collect()
+        t0 = time.perf_counter()
+        self.step()
+        return time.perf_counter() - t0
+
+
+def our_costs(bench: Bench):
+    """The plugin's calibration, run as the callback runs it (exact bytes steps, timed steps)."""
+    plan = apply_policy(bench.module, "none")
+    meter = StepMeter("cpu", model=bench.module)
+    calibration = BudgetCalibration(plan, meter, budget=2**62)
+    while calibration.calibrating:
+        calibration.begin_step()
+        with meter.step(exact=True) as box:
+            bench.step()
+        calibration.end_step(int(box.reading.activations or 0))
+    measured = dict(calibration.measured_plans)
+    for spec in ("none", "all", "every:2"):  # what the callback would know: its own measured plans
+        plan.retarget(spec)
+        with meter.step(exact=True) as box:
+            bench.step()
+        measured[plan.modes] = int(box.reading.activations or 0)
+    plan.retarget("none")
+    return plan, calibration, measured
+
+
+def interleaved(configs: Dict[str, Tuple[Callable[[], None], Callable[[], None]]], bench: Bench, rounds: int
+                ) -> Dict[str, List[float]]:
+    """Time every configuration once per round (rotating order, one untimed round first)."""
+    names = list(configs)
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            install, remove = configs[name]
+            install()
+            try:
+                seconds = bench.seconds()
+            finally:
+                remove()
+            if r:
+                times[name].append(seconds)
+    return times
+
+
+def run_case(model_name: str, precision: str, args) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    module, seq = build(model_name, args.quick)
+    bench = Bench(module, seq, args.micro_batch, precision)
+    L = len(bench.blocks)
+    plan, calibration, measured = our_costs(bench)
+    costs, base = calibration.costs(), calibration.base
+    remove_checkpointing(bench.module)
+
+    anchors = anchor_wrappers(L)
+    configs: Dict[str, Tuple[Callable[[], None], Callable[[], None]]] = {}
+    peaks: Dict[str, int] = {}
+    for name, (mask, context_fn) in anchors.items():
+        holder: Dict[str, AnchorWrap] = {}
+
+        def install(mask=mask, context_fn=context_fn, holder=holder):
+            holder["w"] = AnchorWrap(bench.blocks, mask, context_fn)
+
+        def remove(holder=holder):
+            holder.pop("w").remove()
+
+        configs[name] = (install, remove)
+        install()
+        try:
+            peaks[name] = bench.peak()
+        finally:
+            remove()
+    low, high = peaks["torchtitan full"], peaks["none"]
+    budgets = [round(low + (high - low) * i / (args.budgets - 1)) for i in range(args.budgets)]
+
+    ours: Dict[int, Tuple[str, ...]] = {}
+    for budget in budgets:
+        chosen = plan_budget(costs, budget, base, ("off", "recompute", "selective"), measured=measured)
+        plan_obj = apply_policy(bench.module, "none")
+        plan_obj.set_modes(chosen.modes)
+        peak = bench.peak()
+        if peak > budget:  # the callback's one correction
+            measured[chosen.modes] = peak
+            chosen = plan_budget(costs, budget, base, ("off", "recompute", "selective"), measured=measured)
+            plan_obj.set_modes(chosen.modes)
+            peak = bench.peak()
+        remove_checkpointing(bench.module)
+        name = f"ours@{budget}"
+        ours[budget] = chosen.modes
+        peaks[name] = peak
+
+        def install(modes=chosen.modes):
+            apply_policy(bench.module, "none").set_modes(modes)
+
+        configs[name] = (install, lambda: remove_checkpointing(bench.module))
+    times = interleaved(configs, bench, args.rounds)
+
+    rows = []
+    for budget in budgets:
+        name = f"ours@{budget}"
+        fitting = [a for a in anchors if peaks[a] <= budget]
+        best = min(fitting, key=lambda a: statistics.median(times[a])) if fitting else None
+        ours_s = statistics.median(times[name])
+        best_s = statistics.median(times[best]) if best else None
+        ratio = ours_s / best_s if best_s else None
+        fits = peaks[name] <= budget
+        verdict = ("MISS (over budget)" if not fits else "—" if ratio is None else
+                   "PASS" if ratio <= 1.0 else "TIE" if ratio <= TIE else "MISS")
+        rows.append(dict(budget=budget, modes=list(ours[budget]), peak=peaks[name], fits=fits, step_s=ours_s,
+                         step_range=[min(times[name]), max(times[name])], best_anchor=best, best_anchor_s=best_s,
+                         best_anchor_range=[min(times[best]), max(times[best])] if best else None, ratio=ratio,
+                         verdict=verdict))
+    result = dict(model=model_name, precision=precision, blocks=L, seq_len=seq, micro_batch=args.micro_batch,
+                  rounds=args.rounds, budgets=budgets, rows=rows,
+                  anchors={a: dict(peak=peaks[a], step_s=statistics.median(times[a]),
+                                   step_range=[min(times[a]), max(times[a])]) for a in anchors})
+    if args.compile:
+        result["compiled"] = compiled_rows(bench, budgets, peaks["none"], ours, args)
+    return result
+
+
+def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, ours: Dict[int, Tuple[str, ...]], args
+                  ) -> List[Dict[str, Any]]:
+    """torch.compile with activation_memory_budget = budget / none's peak, against our plan compiled."""
+    import torch._functorch.config as functorch_config
+
+    inner = bench.module.model
+    rows = []
+    for budget in budgets:
+        fraction = min(max(budget / none_peak, 0.0), 1.0)
+        figures = {}
+        for label in ("compile budget", "ours compiled"):
+            torch._dynamo.reset()
+            if label == "ours compiled":
+                apply_policy(bench.module, "none").set_modes(ours[budget])
+                compiled = torch.compile(inner)
+            else:
+                with functorch_config.patch(activation_memory_budget=fraction):
+                    compiled = torch.compile(inner)
+            bench.module.model = compiled
+            try:
+                with functorch_config.patch(activation_memory_budget=fraction if label == "compile budget" else 1.0):
+                    bench.step()  # compiles
+                    meter = StepMeter("cpu", model=bench.module)
+                    with meter.step(exact=False) as box:
+                        bench.step()
+                    times = [bench.seconds() for _ in range(args.rounds)]
+            finally:
+                bench.module.model = inner
+                remove_checkpointing(bench.module)
+            figures[label] = (int(box.reading.activations_estimate or box.reading.activations or 0),
+                              statistics.median(times), [min(times), max(times)])
+        (b_saved, b_s, b_range), (o_saved, o_s, o_range) = figures["compile budget"], figures["ours compiled"]
+        rows.append(dict(budget=budget, fraction=fraction, compile_saved=b_saved, compile_s=b_s, compile_range=b_range,
+                         ours_saved=o_saved, ours_s=o_s, ours_range=o_range, ratio=o_s / b_s,
+                         verdict="PASS" if o_s / b_s <= 1.0 else "TIE" if o_s / b_s <= TIE else "MISS"))
+    torch._dynamo.reset()
+    return rows
+
+
+def print_case(result: Dict[str, Any]) -> None:
+    print(f"\n{result['model']} {result['precision']}: {result['blocks']} blocks, micro-batch "
+          f"{result['micro_batch']} × {result['seq_len']}, {result['rounds']} interleaved rounds (medians; ranges)")
+    print(f"{'budget MiB':>10} {'our plan':<28}{'peak MiB':>9}{'fits':>5}{'ours ms':>9} {'range':>13}  "
+          f"{'fastest fitting anchor':<24}{'ms':>8} {'range':>13}{'ratio':>7}  verdict")
+    for r in result["rows"]:
+        mix = ", ".join(f"{r['modes'].count(m)} {m}" for m in ("off", "selective", "recompute") if m in r["modes"])
+        rng = f"{r['step_range'][0] * 1e3:.0f}-{r['step_range'][1] * 1e3:.0f}"
+        arng = (f"{r['best_anchor_range'][0] * 1e3:.0f}-{r['best_anchor_range'][1] * 1e3:.0f}"
+                if r["best_anchor"] else "")
+        print(f"{r['budget'] / MiB:>10.2f} {mix:<28}{r['peak'] / MiB:>9.2f}{'yes' if r['fits'] else 'NO':>5}"
+              f"{r['step_s'] * 1e3:>9.1f} {rng:>13}  {str(r['best_anchor']):<24}"
+              f"{(r['best_anchor_s'] or 0) * 1e3:>8.1f} {arng:>13}{(r['ratio'] or 0):>7.3f}  {r['verdict']}")
+    print("anchors: " + "; ".join(f"{a} {v['peak'] / MiB:.2f} MiB {v['step_s'] * 1e3:.0f} ms"
+                                  for a, v in result["anchors"].items()))
+    for r in result.get("compiled", []):
+        print(f"  compiled @ {r['budget'] / MiB:.2f} MiB (fraction {r['fraction']:.2f}): activation_memory_budget "
+              f"{r['compile_s'] * 1e3:.0f} ms (saved {r['compile_saved'] / MiB:.2f} MiB) vs ours compiled "
+              f"{r['ours_s'] * 1e3:.0f} ms (saved {r['ours_saved'] / MiB:.2f} MiB): ratio {r['ratio']:.3f} "
+              f"{r['verdict']}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt,llama")
+    parser.add_argument("--precisions", default="32-true,bf16-mixed")
+    parser.add_argument("--budgets", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--compile", action="store_true", help="also torch.compile's activation_memory_budget")
+    parser.add_argument("--quick", action="store_true", help="small models, 4 budgets, 2 rounds")
+    parser.add_argument("--json", default=None, help="write every figure here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.budgets, args.rounds = min(args.budgets, 4), min(args.rounds, 2)
+    for line in header_lines():
+        print(line)
+    results = []
+    for model_name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
+            result = run_case(model_name, precision, args)
+            print_case(result)
+            results.append(result)
+    verdicts = [r["verdict"] for res in results for r in res["rows"]]
+    print(f"\nsummary: {sum(v in ('PASS', 'TIE') for v in verdicts)}/{len(verdicts)} budgets PASS or TIE; "
+          f"{sum(v.startswith('MISS') for v in verdicts)} MISS; fits at every budget: "
+          f"{all(r['fits'] for res in results for r in res['rows'])}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""``lightning-ckpt frontier``: the fastest per-block plan at every activation budget, beside the fixed modes."""
+
+from __future__ import annotations
+
+from lightning_ckpt.forecast.precision import PRECISIONS
+from lightning_ckpt.forecast.profile.frontier import ANCHORS, frontier, frontier_table
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "frontier", help="the memory / time frontier: the fastest plan at every budget, beside fixed modes",
+        description="Calibrate every block in every mode, measure the fixed modes, then at each budget choose the "
+                    "fastest per-block mix of off / selective / recompute (/ offload on CUDA), measure it, time "
+                    "everything in interleaved rounds, and write frontier.json and frontier.png. The module needs "
+                    "an example_batch(micro_batch, seq_len) hook.")
+    p.add_argument("model", metavar="PKG.MODULE:CLASS", help="the LightningModule (or module with example_batch)")
+    p.add_argument("--init-args", default=None, metavar="JSON", help="keyword arguments as a JSON object")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--budgets", default="8",
+                   help="a count of budgets evenly spaced from all's activation peak to none's (default 8), or "
+                        "activation budgets such as 40MiB,60MiB")
+    p.add_argument("--anchors", default=",".join(ANCHORS),
+                   help=f"fixed modes drawn as points (default {','.join(ANCHORS)}; first:half = Megatron block "
+                        "with N = half the layers)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds after one untimed round (default 5)")
+    p.add_argument("--precision", default="32-true", choices=list(PRECISIONS))
+    p.add_argument("--device", default=None, help="cuda, cpu (default: cuda when available)")
+    p.add_argument("--out", default="frontier_out", help="output directory (default frontier_out)")
+    p.add_argument("--no-plot", action="store_true", help="no frontier.png")
+
+
+def run(args) -> int:
+    report = frontier(args.model, args.init_args, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                      budgets=args.budgets, anchors=[a.strip() for a in args.anchors.split(",") if a.strip()],
+                      rounds=args.rounds, precision=args.precision, device=args.device, out=args.out,
+                      plot=not args.no_plot)
+    print(frontier_table(report))
+    print("wrote " + ", ".join(report.outputs.values()))
+    return 0
