@@ -31,6 +31,7 @@ Usage::
     python benchmarks/frontier.py                    # both models, float32 and bf16 autocast, 8 budgets
     python benchmarks/frontier.py --quick            # small models, 4 budgets, 2 rounds (smoke)
     python benchmarks/frontier.py --models gpt --precisions 32-true --compile
+    python benchmarks/frontier.py --small --precisions bf16-mixed --rounds 3   # bf16 autocast at a CPU size
 """
 
 from __future__ import annotations
@@ -100,30 +101,35 @@ def _titan_op_sac_policy():
     return context_fn
 
 
-def _megatron_selective_policy():
-    """Megatron's ``selective``: recompute the core attention only, keep everything else."""
-    core = {getattr(aten, n).default for n in ("_scaled_dot_product_efficient_attention",
-                                               "_scaled_dot_product_flash_attention",
-                                               "_scaled_dot_product_flash_attention_for_cpu",
-                                               "_scaled_dot_product_attention_math", "_softmax", "native_dropout",
-                                               "bmm", "baddbmm") if hasattr(aten, n)}
+class MegatronSelective:
+    """Megatron's ``selective`` recompute: only the core attention is checkpointed (its inputs q, k, v kept, its
+    softmax / dropout / matmuls recomputed), the rest of the block runs with plain autograd. The core attention of
+    both models is ``F.scaled_dot_product_attention``, wrapped here for as long as the configuration runs."""
 
-    def context_fn():
-        def policy(ctx, func, *args, **kwargs):
-            return CheckpointPolicy.PREFER_RECOMPUTE if func in core else CheckpointPolicy.MUST_SAVE
+    def __init__(self) -> None:
+        import torch.nn.functional as F
 
-        return create_selective_checkpoint_contexts(policy)
+        self._functional, self._original = F, F.scaled_dot_product_attention
 
-    return context_fn
+        def core_attention(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return self._original(*args, **kwargs)
+            return checkpoint(self._original, *args, use_reentrant=False, **kwargs)
+
+        F.scaled_dot_product_attention = core_attention
+
+    def remove(self) -> None:
+        self._functional.scaled_dot_product_attention = self._original
 
 
 def anchor_wrappers(num_blocks: int) -> Dict[str, Tuple[List[bool], Optional[Callable]]]:
-    """Anchor name → (which blocks are checkpointed, the ``context_fn`` or ``None`` for full recompute)."""
+    """Anchor name → (which blocks are checkpointed, the ``context_fn`` — ``None`` for full recompute — or, for
+    Megatron selective, the class that wraps the core attention)."""
     out: Dict[str, Tuple[List[bool], Optional[Callable]]] = {
         "none": ([False] * num_blocks, None),
         "torchtitan full": ([True] * num_blocks, None),
         "torchtitan op-SAC": ([True] * num_blocks, _titan_op_sac_policy()),
-        "Megatron selective": ([True] * num_blocks, _megatron_selective_policy()),
+        "Megatron selective": ([False] * num_blocks, MegatronSelective),
     }
     for n in range(1, num_blocks):
         out[f"Megatron block {n}"] = ([i < n for i in range(num_blocks)], None)
@@ -137,6 +143,9 @@ class AnchorWrap:
 
     def __init__(self, blocks: Sequence[torch.nn.Module], mask: Sequence[bool], context_fn: Optional[Callable]):
         self.blocks = [b for b, m in zip(blocks, mask) if m]
+        self.core = context_fn() if context_fn is MegatronSelective else None
+        if self.core is not None:
+            return
         kwargs = {"use_reentrant": False}
         if context_fn is not None:
             kwargs["context_fn"] = context_fn
@@ -144,8 +153,11 @@ class AnchorWrap:
             block.forward = functools.partial(checkpoint, type(block).forward.__get__(block), **kwargs)
 
     def remove(self) -> None:
+        if self.core is not None:
+            self.core.remove()
         for block in self.blocks:
-            del block.forward
+            if self.core is None:
+                del block.forward
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -234,7 +246,7 @@ def interleaved(configs: Dict[str, Tuple[Callable[[], None], Callable[[], None]]
 
 def run_case(model_name: str, precision: str, args) -> Dict[str, Any]:
     torch.manual_seed(0)
-    module, seq = build(model_name, args.quick)
+    module, seq = build(model_name, args.quick or args.small)
     bench = Bench(module, seq, args.micro_batch, precision)
     L = len(bench.blocks)
     plan, calibration, measured = our_costs(bench)
@@ -378,6 +390,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--compile", action="store_true", help="also torch.compile's activation_memory_budget")
     parser.add_argument("--quick", action="store_true", help="small models, 4 budgets, 2 rounds")
+    parser.add_argument("--small", action="store_true",
+                        help="the small models (4 blocks × 128) at the given budgets and rounds: bf16 autocast on a "
+                             "CPU without bf16 matrix units is ~18× slower than float32")
     parser.add_argument("--json", default=None, help="write every figure here")
     args = parser.parse_args(argv)
     if args.quick:

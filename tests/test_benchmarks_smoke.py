@@ -47,3 +47,23 @@ def test_policies_quick_json(tmp_path):
     assert all(abs(r["measured"] - r["expected"]) < 1e-3 for r in data["tracker_check"])
     names = {t["name"] for t in data["targets"]}
     assert any(n.startswith("all: activation peak") for n in names)
+
+
+@pytest.mark.timeout(300)
+def test_frontier_quick_json(tmp_path):
+    """``benchmarks/frontier.py --quick`` on the GPT in float32: every anchor measured, our plan at every budget
+    within the budget (a verdict per budget; the speed targets are read from the full run, not asserted here)."""
+    out = tmp_path / "frontier.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--quick", "--models", "gpt", "--precisions",
+         "32-true", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=290,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (case,) = json.loads(out.read_text())
+    assert {"none", "torchtitan full", "torchtitan op-SAC", "Megatron selective", "Megatron block 1",
+            "HF every_n_layers=2"} <= set(case["anchors"])
+    assert case["budgets"][0] == case["anchors"]["torchtitan full"]["peak"]
+    assert case["budgets"][-1] == case["anchors"]["none"]["peak"]
+    for row in case["rows"]:
+        assert row["fits"] and row["peak"] <= row["budget"] and row["verdict"] in ("PASS", "TIE", "MISS"), row

@@ -115,10 +115,13 @@ class ActivationCheckpointing(Callback):
     ``torch.OutOfMemoryError`` raised from the original. With ``on_oom="escalate"`` the step is retried on the
     same batch one rung up the ladder until the ladder is exhausted.
 
-    Budget (``policy="budget:18GiB"`` or ``"budget:0.5"`` of capacity): two calibration steps measure every
-    block's saved bytes and forward time, :func:`lightning_ckpt.decide.budget.plan_budget` picks the per-block
-    plan with the least replay time whose predicted activation peak fits, the next step is measured against the
-    prediction, and the plan is corrected once if it does not fit.
+    Budget (``policy="budget:18GiB"`` or ``"budget:0.5"`` of capacity): calibration steps (9 on the CPU, 13 on
+    CUDA; see :class:`lightning_ckpt.decide.budget.BudgetCalibration`) measure every block's bytes kept, replay
+    transient and time in each mode, :func:`lightning_ckpt.decide.budget.plan_budget` picks, per block, ``off``,
+    ``selective``, ``recompute`` or (CUDA) ``offload`` for the fastest plan whose predicted activation peak fits,
+    the next step is measured against the prediction, and the plan is corrected once if it does not fit. The plan
+    explains itself in ``callback.plan.summary()``, the report, and ``blocks/NN_kept_gib`` /
+    ``blocks/NN_replay_gib``.
 
     Diagnosis: at the end of ``fit`` (and on :meth:`report`) rank zero prints the ledger table and the seed's
     advice, and writes ``lightning_ckpt_report.json`` beside the logs. Before the first step, and on every plan
@@ -131,8 +134,8 @@ class ActivationCheckpointing(Callback):
           ``setup`` or ``configure_model``).
         - A model already checkpointed by ``checkpoint_wrapper``, composable ``checkpoint`` or Hugging Face
           ``gradient_checkpointing_enable()`` is refused with an error instead of being checkpointed twice.
-        - ``budget:`` re-calibrates after a resume (two steps at about the ``every:2`` memory level); each rank
-          calibrates on its own measurements.
+        - ``budget:`` re-calibrates after a resume (its calibration steps, never above the un-checkpointed
+          memory); each rank calibrates on its own measurements.
     """
 
     def __init__(
