@@ -10,8 +10,9 @@ run in this card?" for a whole range of cards at once:
    for its activation peak (one exact step, the figure the callback logs) and step time.
 3. **Budgets**: ``budgets`` evenly spaced from ``all``'s measured peak to ``none``'s (or the sizes given). At
    each, :func:`~lightning_ckpt.decide.budget.plan_budget` chooses the per-block mix; the plan is measured; if the
-   measured peak exceeds the budget the plan is chosen again once with the overshoot taken off (as the callback
-   does). A budget below the smallest feasible one is reported as refused, with that smallest budget named.
+   measured peak exceeds the budget, that plan is marked with its measured peak and the plan is chosen again (up
+   to three times; the callback, mid-training, corrects once). A budget below the smallest feasible one is
+   reported as refused, with that smallest budget named.
 4. **Time**: all configurations are timed in interleaved rounds (every configuration once per round, one untimed
    round first), without any meter; the median and the range over rounds are reported, so that the machine's
    drift hits every configuration alike.
@@ -290,13 +291,16 @@ def _budget_point(plan, runner: _Runner, costs, base, budget: int, modes, measur
         return point
     plan.set_modes(chosen.modes)
     point.activations = runner.activations()
-    if point.activations > budget:  # the callback's one correction: take the overshoot off the budget
-        measured[tuple(chosen.modes)] = point.activations
+    for _ in range(3):  # offline there is time: a measured overshoot is corrected until the plan fits (3 at most)
+        if point.activations <= budget:
+            break
+        measured[tuple(point.modes)] = point.activations
         again = plan_budget(costs, budget, base, modes, measured=measured)
-        if again.fits and again.modes != chosen.modes:
-            plan.set_modes(again.modes)
-            point.modes, point.predicted, point.corrected = again.modes, again.predicted_peak, True
-            point.activations = runner.activations()
+        if not again.fits or again.modes == tuple(point.modes):
+            break
+        plan.set_modes(again.modes)
+        point.modes, point.predicted, point.corrected = again.modes, again.predicted_peak, True
+        point.activations = runner.activations()
     point.fits = point.activations <= budget
     return point
 
