@@ -94,3 +94,45 @@ def test_the_report_names_the_peak_phase_its_largest_line_and_the_advice(tmp_pat
     assert f"{phase:<14}" in text and "<- the step's peak" in text
     # the largest line at the optimizer peak of a small model is the model state, never the activations
     assert data["phases"]["optimizer"]["dominant"] in ("params", "grads", "optimizer", "temporaries")
+
+
+def _fit_kwargs(tmp_path, steps, **extra):
+    return trainer_kwargs(tmp_path, max_steps=steps, log_every_n_steps=1, limit_val_batches=0,
+                          num_sanity_val_steps=0, **extra)
+
+
+def test_phase_peaks_in_bf16_mixed_match_the_forecast_in_that_precision(tmp_path):
+    """Under Lightning's bf16-mixed (autocast, weight cache off) the phase peaks include autocast's weight copies
+    while they live; the forecast traced in the same precision agrees within 10 %."""
+    forecast = forecast_model(ForeachGPT, dict(SMALL), micro_batch=B, seq_len=T, policies=("none", "all"),
+                              precision="bf16-mixed")
+    for policy in ("none", "all"):
+        seed_everything(0)
+        model = ForeachGPT(**SMALL)
+        cb = ActivationCheckpointing(policy=policy)
+        loader = DataLoader(SameBatch(model.example_batch(B, T)), batch_size=None)
+        Trainer(callbacks=[cb], precision="bf16-mixed", **_fit_kwargs(tmp_path / policy, 3)).fit(
+            model, train_dataloaders=loader)
+        for phase in PHASES:
+            logged = cb.last_metrics[f"memory/peak_{phase}_gib"] * GiB
+            assert forecast.phase_peaks[policy][phase] == pytest.approx(logged, rel=0.10), (policy, phase)
+
+
+def test_with_gradient_accumulation_each_phase_is_the_highest_over_the_micro_batches(tmp_path):
+    """Two micro-batches per optimizer step: the forward and backward phases repeat and each logged peak is the
+    highest of its repetitions. The forward and the optimizer step peak as without accumulation (the gradients
+    exist through the forward in the steady state either way); the second backward holds each parameter's incoming
+    gradient beside the accumulated one, so backward rises by less than the parameters' bytes."""
+    logged = {}
+    for accumulate in (1, 2):
+        seed_everything(0)
+        model = ForeachGPT(**SMALL)
+        cb = ActivationCheckpointing(policy="every:2")
+        loader = DataLoader(SameBatch(model.example_batch(B, T), n=16), batch_size=None)
+        Trainer(callbacks=[cb], accumulate_grad_batches=accumulate,
+                **_fit_kwargs(tmp_path / str(accumulate), 3)).fit(model, train_dataloaders=loader)
+        logged[accumulate] = {p: cb.last_metrics[f"memory/peak_{p}_gib"] * GiB for p in PHASES}
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+    for phase in ("forward", "optimizer"):
+        assert logged[2][phase] == pytest.approx(logged[1][phase], rel=0.02), (phase, logged)
+    assert logged[1]["backward"] < logged[2]["backward"] < logged[1]["backward"] + params, logged
