@@ -239,6 +239,7 @@ class StepMeter:
         self._key: Any = None
         self._total: Optional[LiveBytes] = None  # every storage of the step, on exact CPU steps (phases)
         self._phase: Optional[str] = None
+        self._phased = False
         self._phase_peaks: Dict[str, int] = {}
         self._reserved_peak = 0
         self._replay_depth = 0
@@ -327,6 +328,7 @@ class StepMeter:
         self._phase_peaks = {}
         self._reserved_peak = 0
         self._phase = "forward"
+        self._phased = False  # phase peaks are reported only when the caller marks the boundaries
         self._open = True
         self._t0 = time.perf_counter()
 
@@ -335,7 +337,7 @@ class StepMeter:
         if not self._open:
             return
         self._close_phase()
-        self._phase = name
+        self._phase, self._phased = name, True
 
     def _close_phase(self) -> None:
         """Fold the running peak into the current phase's and restart it (host-side only, no sync)."""
@@ -362,6 +364,8 @@ class StepMeter:
         peak_allocated = peak_reserved = None
         if _has_allocator_counters(self.device):  # each phase reset the counters: the step's peak is the highest
             peak_allocated, peak_reserved = max(phases.values(), default=0), self._reserved_peak
+        if not self._phased:  # one running peak for the whole step, not a forward phase
+            phases = {}
         self.close()
         estimate = saved.peak if saved is not None else None
         exact = live.peak if live is not None else None

@@ -455,3 +455,11 @@ def test_phase_peaks_are_reused_from_the_reference_step_of_the_key():
     params = sum(p.numel() * 4 for p in model.parameters())
     # the activation peak is the replay in backward, where it sits on top of the parameters
     assert readings[0].phase_peaks["backward"] >= params + readings[0].activations
+
+
+def test_without_phase_boundaries_there_are_no_phase_peaks():
+    model, idx = _gpt("all")
+    meter = StepMeter("cpu", model=model)
+    with meter.step(exact=True, state=list(model.parameters())) as box:
+        _fwd_bwd(model, idx)
+    assert box.reading.phase_peaks is None and box.reading.activations > 0
