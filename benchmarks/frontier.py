@@ -56,7 +56,7 @@ from lightning_ckpt.core.blocks import find_blocks  # noqa: E402
 from lightning_ckpt.core.units import MiB  # noqa: E402
 from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing  # noqa: E402
 from lightning_ckpt.decide.budget import BudgetCalibration, plan_budget  # noqa: E402
-from lightning_ckpt.forecast.load import make_optimizers, step_loss  # noqa: E402
+from lightning_ckpt.forecast.load import lightning_step, make_optimizers, step_loss  # noqa: E402
 from lightning_ckpt.forecast.precision import parse_precision  # noqa: E402
 from lightning_ckpt.measure.meter import StepMeter  # noqa: E402
 
@@ -177,14 +177,7 @@ class Bench:
         self.step()
 
     def step(self) -> None:
-        with self.precision.forward_context("cpu"):
-            loss = step_loss(self.module, self.batch)
-        for opt in self.opts:
-            opt.zero_grad(set_to_none=True)
-        loss.backward()
-        del loss
-        for opt in self.opts:
-            opt.step()
+        lightning_step(self.module, self.batch, self.opts, self.precision)
 
     def fwd_bwd(self) -> None:
         with self.precision.forward_context("cpu"):

@@ -25,6 +25,7 @@ Lightning itself is never imported here: a module is a ``LightningModule`` only 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -32,7 +33,7 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ __all__ = [
     "TORCH_OPTIMIZERS",
     "build_model",
     "import_object",
+    "lightning_step",
     "load_init_args",
     "make_batch",
     "make_optimizers",
@@ -288,6 +290,25 @@ def step_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     if isinstance(batch, (tuple, list)):
         return _loss_from(model(*batch), batch)
     return _loss_from(model(batch), batch)
+
+
+def lightning_step(model: nn.Module, batch: Any, optimizers: Sequence[Any], precision: Any = None,
+                   device_type: str = "cpu", meter: Any = None) -> None:
+    """One training step in Lightning's order: forward (under ``precision``'s context), ``zero_grad`` (Lightning
+    calls it between ``training_step`` and ``backward``), backward, ``optimizer.step()``; a
+    :class:`~lightning_ckpt.measure.meter.StepMeter` given as ``meter`` is told the phase boundaries."""
+    with precision.forward_context(device_type) if precision is not None else contextlib.nullcontext():
+        loss = step_loss(model, batch)
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    if meter is not None:
+        meter.phase("backward")
+    loss.backward()
+    del loss
+    if meter is not None:
+        meter.phase("optimizer")
+    for opt in optimizers:
+        opt.step()
 
 
 # ----------------------------------------------------------------------------------------------- optimizers

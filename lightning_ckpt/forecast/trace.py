@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_ckpt._deprecation import renamed
 from lightning_ckpt.core.policy import parse_policy
 from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing
-from lightning_ckpt.forecast.load import TORCH_OPTIMIZERS, build_model, make_batch, make_optimizers, step_loss
+from lightning_ckpt.forecast.load import TORCH_OPTIMIZERS, build_model, lightning_step, make_batch, make_optimizers
 from lightning_ckpt.forecast.numbers import DTYPE_BYTES, LedgerForecast, crossing_line, phase_crossing
 from lightning_ckpt.forecast.precision import Precision, parse_precision
 from lightning_ckpt.measure.ledger import model_state_bytes, state_tensors
@@ -317,22 +317,11 @@ def _semantics(device: str, sdpa_backend: str, precision: Precision) -> Callable
 
 def _trace_step(model: nn.Module, batch: Any, label: str, policy: str, precision: Precision,
                 optimizers: Sequence[torch.optim.Optimizer], meter: Optional[StepMeter] = None) -> None:
-    """One fake training step in Lightning's order: forward, ``zero_grad`` (Lightning calls it between
-    ``training_step`` and ``backward``), backward, ``optimizer.step()``; ``meter`` is told the phase boundaries.
-    What fake tensors cannot run becomes a ``ValueError`` naming the model."""
+    """One fake training step in Lightning's order (:func:`~lightning_ckpt.forecast.load.lightning_step`);
+    ``meter`` is told the phase boundaries. What fake tensors cannot run becomes a ``ValueError`` naming the
+    model."""
     try:
-        with precision.forward_context("cpu"):
-            loss = step_loss(model, batch)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        if meter is not None:
-            meter.phase("backward")
-        loss.backward()
-        del loss
-        if meter is not None:
-            meter.phase("optimizer")
-        for opt in optimizers:
-            opt.step()
+        lightning_step(model, batch, optimizers, precision, "cpu", meter)
     except (ValueError, TypeError):
         raise
     except Exception as err:  # data-dependent code and other things fake tensors cannot run

@@ -39,7 +39,7 @@ from lightning_ckpt.core.policy import parse_policy
 from lightning_ckpt.core.units import MiB, format_bytes, parse_size
 from lightning_ckpt.core.wrap import apply_policy
 from lightning_ckpt.decide.budget import BudgetCalibration, plan_budget, smallest_budget
-from lightning_ckpt.forecast.load import build_model, load_init_args, make_optimizers, step_loss
+from lightning_ckpt.forecast.load import build_model, lightning_step, load_init_args, make_optimizers
 from lightning_ckpt.forecast.precision import parse_precision
 from lightning_ckpt.measure.meter import StepMeter
 
@@ -257,14 +257,7 @@ class _Runner:
             torch.cuda.synchronize(self.dev)
 
     def step(self) -> None:
-        with self.precision.forward_context(self.dev.type):
-            loss = step_loss(self.module, self.batch)
-        for opt in self.opts:
-            opt.zero_grad(set_to_none=True)
-        loss.backward()
-        del loss
-        for opt in self.opts:
-            opt.step()
+        lightning_step(self.module, self.batch, self.opts, self.precision, self.dev.type)
 
     def activations(self) -> int:
         """The activation peak of one exact step (what the callback logs)."""
