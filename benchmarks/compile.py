@@ -7,6 +7,7 @@ Run from the repository root::
 
     python benchmarks/compile.py                   # the benchmark GPT (12 x 512), batch 4 x 512
     python benchmarks/compile.py --quick           # a tiny GPT, 2 rounds (smoke test, about a minute)
+    python benchmarks/compile.py --small           # 4 blocks x 256, batch 2 x 256 (bf16 on a CPU is slow)
 
 What it measures, per precision and policy, for the same model and batch:
 
@@ -167,6 +168,9 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny GPT, 2 rounds")
+    parser.add_argument("--small", action="store_true",
+                        help="GPT 4 blocks x 256, batch 2 x 256: bf16 autocast on a CPU without bf16 matrix units is "
+                             "~18x slower than float32, so the benchmark size takes hours there")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 5, quick 2)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
@@ -174,6 +178,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     if args.quick:
         cfg, batch = GPTConfig(vocab_size=96, n_layer=2, n_head=2, n_embd=64, block_size=64, dropout=0.0), 2
+    elif args.small:
+        cfg, batch = GPTConfig(vocab_size=512, n_layer=4, n_head=8, n_embd=256, block_size=256, dropout=0.0), 2
     else:
         cfg, batch = GPTConfig.benchmark(dropout=0.0), 4
     rounds = args.rounds or (2 if args.quick else 5)
