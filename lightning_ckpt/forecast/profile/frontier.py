@@ -358,8 +358,9 @@ def save_frontier_plot(report: FrontierReport, path: str) -> str:
         ax.scatter([a.activations / MiB], [a.step_s * 1e3], marker="s", color="tab:red", zorder=3)
         ax.annotate(a.label, (a.activations / MiB, a.step_s * 1e3), textcoords="offset points", xytext=(4, 4),
                     fontsize=8)
-    ax.set(xlabel="activation peak (MiB)", ylabel="step time (ms, median of rounds)",
-           title=f"memory / time frontier: {report.model} ({report.settings['precision']}, {report.device})")
+    ax.set(xlabel="activation peak (MiB)", ylabel="step time (ms, median of rounds)")
+    ax.set_title(f"memory / time frontier: {report.model.split(':')[-1].split('.')[-1]} "
+                 f"({report.settings['precision']}, {report.device})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
