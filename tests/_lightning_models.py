@@ -26,6 +26,20 @@ class CountingBlock(nn.TransformerEncoderLayer):
         return super().forward(src, *args, **kwargs)
 
 
+class SameBatch(torch.utils.data.Dataset):
+    """``n`` items, each the same ready-made batch (use with ``DataLoader(..., batch_size=None)``): every step sees
+    identical shapes, so figures of different steps compare."""
+
+    def __init__(self, batch, n: int = 8) -> None:
+        self.batch, self.n = batch, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return self.batch
+
+
 def token_dataset(n: int = 64, seed: int = 0) -> TensorDataset:
     """Next-token task on random sequences: the target of token t is (t + 1) mod VOCAB."""
     g = torch.Generator().manual_seed(seed)

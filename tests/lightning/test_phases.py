@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from _lightning_models import trainer_kwargs
+from _lightning_models import SameBatch, trainer_kwargs
 from lightning.pytorch import Trainer, seed_everything
 from torch.utils.data import DataLoader
 
@@ -34,17 +33,6 @@ class ForeachGPT(GPTLightningModule):
         for group in opt.param_groups:
             group["foreach"] = self.foreach
         return opt
-
-
-class SameBatch(torch.utils.data.Dataset):
-    def __init__(self, batch, n=8):
-        self.batch, self.n = batch, n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return self.batch
 
 
 def _fit(tmp_path, model, policy, steps=3):

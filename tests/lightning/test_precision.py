@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _independent import LiveForward
-from _lightning_models import trainer_kwargs
+from _lightning_models import SameBatch, trainer_kwargs
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
@@ -39,20 +39,9 @@ MODELS = {
 }
 
 
-class SameBatch(torch.utils.data.Dataset):
-    def __init__(self, batch, n=4):
-        self.batch, self.n = batch, n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return self.batch
-
-
 def _fit(tmp_path, model, precision, cb, steps=2):
     batch = model.example_batch(B, T)
-    loader = DataLoader(SameBatch(batch), batch_size=None)
+    loader = DataLoader(SameBatch(batch, n=4), batch_size=None)
     plugin = precision() if isinstance(precision, type) else None
     kwargs = trainer_kwargs(tmp_path, max_steps=steps, log_every_n_steps=1, limit_val_batches=0,
                             num_sanity_val_steps=0)
