@@ -67,3 +67,36 @@ def test_frontier_quick_json(tmp_path):
     assert case["budgets"][-1] == case["anchors"]["none"]["peak"]
     for row in case["rows"]:
         assert row["fits"] and row["peak"] <= row["budget"] and row["verdict"] in ("PASS", "TIE", "MISS"), row
+
+
+def _compile_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_lightning_ckpt_bench_compile", ROOT / "benchmarks" / "compile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compile_benchmark_leaves_gradient_buffers_out_of_the_activation_peak():
+    """``benchmarks/compile.py``'s instrument: a 4 MiB weight gradient accumulated into a kept ``.grad`` is in the
+    step peak and not in the activation peak; the saved activations (a 32 KiB hidden state) are in both."""
+    import torch
+
+    bench = _compile_benchmark()
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1, bias=False)
+    x = torch.randn(8, 1024)
+
+    def step():
+        hidden = torch.relu(first(x))  # 32 KiB kept for backward
+        second(hidden).sum().backward()
+
+    params = [first.weight, second.weight]
+    step()  # .grad allocated and kept from now on: the next backward accumulates into it
+    step_peak, activation_peak = bench.allocation_peaks(step, params)
+    KiB = 2**10
+    assert 4096 * KiB <= step_peak < 4096 * KiB + 256 * KiB, step_peak
+    assert 32 * KiB <= activation_peak < 256 * KiB, activation_peak
+    for p in params:  # the hooks are removed
+        assert not p._backward_hooks
