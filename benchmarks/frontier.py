@@ -214,7 +214,7 @@ def our_costs(bench: Bench):
     calibration = BudgetCalibration(plan, meter, budget=2**62)
     while calibration.calibrating:
         calibration.begin_step()
-        with meter.step(exact=True) as box:
+        with meter.step(exact=calibration.exact_step) as box:
             bench.step()
         calibration.end_step(int(box.reading.activations or 0))
     measured = dict(calibration.measured_plans)

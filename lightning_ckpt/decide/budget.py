@@ -297,6 +297,13 @@ class BudgetCalibration:
         return self.stage < len(self.stages)
 
     @property
+    def exact_step(self) -> bool:
+        """The step about to run is a bytes step, to be measured exactly. A time step must not be: per-operator
+        tracking would inflate every block's time, replays (more operators) most (the callback gets this right by
+        itself: a bytes step is the first of its plan, an exact reference step; its time step repeats the plan)."""
+        return self.calibrating and self.stages[self.stage][2] == "bytes"
+
+    @property
     def base(self) -> Tuple[int, int]:
         """Activation bytes the blocks do not explain, ``(at the end of the forward, in backward)``: known after
         calibration."""
