@@ -83,7 +83,12 @@ def test_budget_policy_in_a_trainer_calibrates_then_fits(tmp_path):
 
     class Record(Callback):
         def __init__(self):
-            self.rows = []
+            self.rows, self.exact = [], []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # after cb's: the step is open
+            if cb.calibration.calibrating:
+                kind = cb.calibration.stages[cb.calibration.stage][2]
+                self.exact.append((kind, cb.calibration.exact_step, cb._engine.monitor.meter.live_bytes() is not None))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.rows.append((cb.plan.modes, cb.last_result.ledger.activations))
@@ -97,6 +102,9 @@ def test_budget_policy_in_a_trainer_calibrates_then_fits(tmp_path):
     assert 1 <= sum(m != "off" for m in chosen.modes) < 4
     calibration_steps = len(cb.calibration.stages)
     assert calibration_steps == 9  # every block recomputed once, then bytes and time steps per mode and parity
+    # bytes steps are exact; time steps are not (per-operator tracking would inflate the block times)
+    assert rec.exact == [(kind, kind == "bytes", kind == "bytes") for kind, _, _ in rec.exact]
+    assert len(rec.exact) == calibration_steps
     assert all(act <= budget for _, act in rec.rows[calibration_steps:])
     assert cb.calibration.measured == pytest.approx(chosen.predicted_peak, rel=0.10)
     assert all_ < every2 < none
