@@ -107,7 +107,8 @@ def test_budget_under_compile_calibrates_eagerly_and_compiles_the_chosen_plan_on
     model = _model(counter)
     cb = ActivationCheckpointing(policy="budget:200KiB")
     calibration_steps = 9  # every block recomputed, then a bytes and a time step per mode and parity
-    _fit(tmp_path, model, [cb], steps=calibration_steps + 3)
+    with pytest.warns(UserWarning, match=r"whole model under torch.compile.*activation_memory_budget.*block\.compile"):
+        _fit(tmp_path, model, [cb], steps=calibration_steps + 3)
     assert cb.calibration.done and cb.calibration.chosen is not None and len(cb.calibration.stages) == 9
     # the calibration steps run eagerly (block hooks), the next is the chosen plan's eager reference, the rest run
     # compiled; a correction after the verify step adds at most one more plan
@@ -126,3 +127,21 @@ def test_the_cpp_backend_trains_with_a_changing_plan(tmp_path, backend):
     cb = ActivationCheckpointing(policy="none")
     _fit(tmp_path, model, [cb, PlanSequence(cb, {2: "all", 4: "selective"})], steps=6)
     assert cb.last_metrics["memory/activations_gib"] > 0
+
+
+def test_whole_model_compile_is_told_apart_from_block_by_block():
+    from lightning_ckpt.core.blocks import find_blocks
+    from lightning_ckpt.lightning.engine import blocks_in_one_compiled_graph
+
+    model = _model()
+    blocks = [b for _, b in find_blocks(model)]
+    assert len(blocks) == 2 and not blocks_in_one_compiled_graph(model, blocks)
+    for block in blocks:  # the torchtitan / FSDP2 way: each block its own graph
+        block.compile(backend="eager")
+    assert not blocks_in_one_compiled_graph(model, blocks)
+    inner = model.model
+    model.model = torch.compile(inner, backend="eager")  # in configure_model: one graph around every block
+    assert blocks_in_one_compiled_graph(model, blocks)
+    model.model = inner
+    model._compiler_ctx = {"compiler": "dynamo"}  # trainer.fit(torch.compile(model)): Lightning's record of it
+    assert blocks_in_one_compiled_graph(model, blocks)
