@@ -299,8 +299,8 @@ class BudgetCalibration:
     @property
     def exact_step(self) -> bool:
         """The step about to run is a bytes step, to be measured exactly. A time step must not be: per-operator
-        tracking would inflate every block's time, replays (more operators) most (the callback gets this right by
-        itself: a bytes step is the first of its plan, an exact reference step; its time step repeats the plan)."""
+        tracking would inflate every block's time, replays (more operators) most. Every caller (the callback, the
+        frontier command, the benchmarks) sets the step's exactness from this."""
         return self.calibrating and self.stages[self.stage][2] == "bytes"
 
     @property

@@ -254,7 +254,8 @@ class CheckpointingEngine:
             measured = self._logging or self._deciding or calibrating
             self.monitor.begin_step(measure=measured, key=self._step_key(trainer, batch) if measured else None,
                                     eager=calibrating, tokens=self._logging,
-                                    state=_step_tensors(pl_module, trainer.optimizers, batch))
+                                    state=_step_tensors(pl_module, trainer.optimizers, batch),
+                                    exact=self.calibration.exact_step if calibrating else None)
         else:  # the next micro-batch of an accumulation window
             self.monitor.phase("forward")
         self.monitor.add_batch(batch)

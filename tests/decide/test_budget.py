@@ -110,6 +110,30 @@ def test_budget_policy_in_a_trainer_calibrates_then_fits(tmp_path):
     assert all_ < every2 < none
 
 
+def test_budget_time_steps_stay_cheap_when_every_step_is_asked_to_be_exact(tmp_path):
+    """``exact_every_n_steps=1`` makes every measured step exact, except the calibration's time steps: per-operator
+    tracking there would inflate the block times the plan is chosen on."""
+    from _lightning_models import TinyTransformer, trainer_kwargs
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from lightning_ckpt import ActivationCheckpointing
+
+    cb = ActivationCheckpointing(policy="budget:1GiB", exact_every_n_steps=1)
+
+    class Record(Callback):
+        rows = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            kind = cb.calibration.stages[cb.calibration.stage][2] if cb.calibration.calibrating else "planned"
+            self.rows.append((kind, cb._engine.monitor.meter.live_bytes() is not None))
+
+    seed_everything(0)
+    Trainer(**trainer_kwargs(tmp_path, max_steps=11, log_every_n_steps=1), callbacks=[cb, Record()]).fit(
+        TinyTransformer(batch_size=16))
+    assert [kind for kind, _ in Record.rows] == [s[2] for s in cb.calibration.stages] + ["planned"] * 2
+    assert Record.rows == [(kind, kind != "time") for kind, _ in Record.rows]
+
+
 def test_budget_with_auto_threshold_or_fraction_without_capacity_is_refused():
     from lightning_ckpt import ActivationCheckpointing
 
