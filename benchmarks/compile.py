@@ -47,8 +47,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
 import torch  # noqa: E402
-from torch._C._profiler import _EventType  # noqa: E402
-from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from lightning_ckpt.core.wrap import apply_policy  # noqa: E402
 from lightning_ckpt.demos.gpt import GPTConfig  # noqa: E402
@@ -56,83 +54,6 @@ from lightning_ckpt.demos.gpt import GPTConfig  # noqa: E402
 POLICIES = ("none", "all", "selective", "every:2")
 PRECISIONS = ("fp32", "bf16-autocast")
 MEM_TOLERANCE = 0.05
-
-
-GRAD_MARK = "lightning_ckpt.bench.grad:"
-
-
-def _gradient_marks(params):
-    """Mark, in the profile, the storage of every gradient handed to a parameter (before it is accumulated)."""
-
-    def mark(grad):
-        with record_function(f"{GRAD_MARK}{grad.untyped_storage().data_ptr()}"):
-            pass
-
-    return [p.register_hook(mark) for p in params if p.requires_grad]
-
-
-def _allocations_and_marks(prof) -> Tuple[List[Tuple[int, int, int]], List[Tuple[int, int]]]:
-    """CPU allocations ``(time, address, +/-bytes)`` in time order, and gradient marks ``(address, time)``."""
-    allocations, marks = [], []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            allocations.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
-        elif node.name.startswith(GRAD_MARK):
-            marks.append((int(node.name[len(GRAD_MARK):]), node.start_time_ns))
-    return sorted(allocations), marks
-
-
-def _gradient_allocations(allocations, marks) -> set:
-    """``(time, address)`` of the allocations that held a gradient when its parameter's hook saw it."""
-    opened, lifetimes = {}, []
-    for t, ptr, size in allocations:
-        if size > 0:
-            opened[ptr] = t
-        else:
-            lifetimes.append((ptr, opened.pop(ptr, None), t))
-    found = set()
-    for ptr, when in marks:
-        for address, born, freed in lifetimes:
-            if address == ptr and born is not None and born <= when <= freed:
-                found.add((born, ptr))
-                break
-    return found
-
-
-def allocation_peaks(step, params) -> Tuple[int, int]:
-    """Peak bytes allocated on the CPU during ``step()`` above its starting level: ``(step, activations)``.
-
-    ``step`` counts every allocation. ``activations`` leaves out the buffers that carried a parameter's new gradient
-    to its ``.grad`` (found by the parameter's gradient hook, by address and lifetime): eager autograd frees each
-    one as soon as it is accumulated, while a whole-model compiled backward returns every gradient from one graph
-    at its end, so with ``.grad`` kept (gradient accumulation) it holds a parameter-sized set of buffers that no
-    checkpointing policy creates or removes.
-    """
-    handles = _gradient_marks(params)
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-    finally:
-        for handle in handles:
-            handle.remove()
-    allocations, marks = _allocations_and_marks(prof)
-    gradients = _gradient_allocations(allocations, marks)
-    live = peak = kept = kept_peak = 0
-    carrying = set()
-    for t, ptr, size in allocations:
-        live += size
-        peak = max(peak, live)
-        if size > 0 and (t, ptr) in gradients:
-            carrying.add(ptr)
-        elif size < 0 and ptr in carrying:
-            carrying.discard(ptr)
-        else:
-            kept += size
-            kept_peak = max(kept_peak, kept)
-    return peak, kept_peak
 
 
 def _context(precision: str):
@@ -181,7 +102,7 @@ def measure(cfg: GPTConfig, batch: int, rounds: int, precisions=PRECISIONS) -> L
                 step()
                 model.zero_grad(set_to_none=False)
                 gc.collect()
-                peaks[mode] = allocation_peaks(step, list(model.parameters()))
+                peaks[mode] = C.allocation_peaks(step, list(model.parameters()))
                 steps[mode] = (step, model)
             times = {mode: [] for mode in MODES}
             ratios = {mode: [] for mode in MODES[1:]}

@@ -24,21 +24,24 @@ For each model (the benchmark GPT at a CPU size, a Hugging Face Llama built from
    time in the same round (paired, so a slow drift of this shared machine cancels; its range is reported).
 
 Targets per budget: our plan's measured peak ≤ budget (fits), and its step time ≤ 1.00× the fastest anchor that
-fits (≤ 1.02× reads as a tie on this noisy machine). ``--compile`` adds, per budget, ``torch.compile`` with
-``torch._functorch.config.activation_memory_budget`` set to the same fraction of ``none``'s peak against our plan
-compiled (activation figures there: bytes saved for backward, the only view into a compiled graph on the CPU).
+fits (≤ 1.02× reads as a tie on this noisy machine). ``--compile [model,block]`` adds, per budget, the compiler's
+activation memory budget at the same fraction of ``none``'s peak against our plan compiled, for the whole model
+compiled and for blocks compiled one by one (memory there: the CPU allocator's activation peak, which sees inside a
+compiled graph; see :func:`compiled_rows`).
 
 Usage::
 
     python benchmarks/frontier.py                    # both models, float32 and bf16 autocast, 8 budgets
     python benchmarks/frontier.py --quick            # small models, 4 budgets, 2 rounds (smoke)
-    python benchmarks/frontier.py --models gpt --precisions 32-true --compile
+    python benchmarks/frontier.py --models gpt --precisions 32-true --compile           # model and block grain
+    python benchmarks/frontier.py --small --models gpt --precisions 32-true --compile block
     python benchmarks/frontier.py --small --precisions bf16-mixed --rounds 3   # bf16 autocast at a CPU size
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -46,13 +49,14 @@ import os
 import statistics
 import sys
 import time
+import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import header_lines, measure_memory  # noqa: E402
+from _common import allocation_peaks, header_lines, measure_memory  # noqa: E402
 
 from lightning_ckpt.core.blocks import find_blocks  # noqa: E402
 from lightning_ckpt.core.units import MiB  # noqa: E402
@@ -209,14 +213,15 @@ class Bench:
         return time.perf_counter() - t0
 
 
-def our_costs(bench: Bench):
-    """The plugin's calibration, run as the callback runs it (exact bytes steps, timed steps)."""
+def our_costs(bench: Bench, block_caller: Optional[Callable] = None):
+    """The plugin's calibration, run as the callback runs it (exact bytes steps, timed steps; with the blocks
+    compiled, ``block_caller`` as the callback passes it: eager bytes steps, then blocks timed compiled)."""
     plan = apply_policy(bench.module, "none")
     meter = StepMeter("cpu", model=bench.module)
-    calibration = BudgetCalibration(plan, meter, budget=2**62)
+    calibration = BudgetCalibration(plan, meter, budget=2**62, block_caller=block_caller)
     while calibration.calibrating:
         calibration.begin_step()
-        with meter.step(exact=calibration.exact_step) as box:
+        with meter.step(exact=calibration.exact_step, eager=True) as box:
             bench.step()
         calibration.end_step(int(box.reading.activations or 0))
     measured = dict(calibration.measured_plans)
@@ -227,6 +232,28 @@ def our_costs(bench: Bench):
         measured[plan.modes] = int(box.reading.activations or 0)
     plan.retarget("none")
     return plan, calibration, measured
+
+
+def fit_plans(bench: Bench, budgets: Sequence[int], costs, base, measured: Dict[Tuple[str, ...], int]
+              ) -> Dict[int, Tuple[Tuple[str, ...], int]]:
+    """Our plan at each budget and its measured (MemTracker) peak: chosen from the calibrated costs, and, offline,
+    a measured overshoot corrected until the plan fits (at most 3 times)."""
+    ours = {}
+    for budget in budgets:
+        chosen = plan_budget(costs, budget, base, ("off", "recompute", "selective"), measured=measured)
+        plan = apply_policy(bench.module, "none")
+        plan.set_modes(chosen.modes)
+        peak = bench.peak()
+        for _ in range(3):
+            if peak <= budget:
+                break
+            measured[chosen.modes] = peak
+            chosen = plan_budget(costs, budget, base, ("off", "recompute", "selective"), measured=measured)
+            plan.set_modes(chosen.modes)
+            peak = bench.peak()
+        remove_checkpointing(bench.module)
+        ours[budget] = (chosen.modes, peak)
+    return ours
 
 
 def interleaved(configs: Dict[str, Tuple[Callable[[], None], Callable[[], None]]], bench: Bench, rounds: int
@@ -277,25 +304,12 @@ def run_case(model_name: str, precision: str, args) -> Dict[str, Any]:
     low, high = peaks["torchtitan full"], peaks["none"]
     budgets = [round(low + (high - low) * i / (args.budgets - 1)) for i in range(args.budgets)]
 
-    ours: Dict[int, Tuple[str, ...]] = {}
-    for budget in budgets:
-        chosen = plan_budget(costs, budget, base, ("off", "recompute", "selective"), measured=measured)
-        plan_obj = apply_policy(bench.module, "none")
-        plan_obj.set_modes(chosen.modes)
-        peak = bench.peak()
-        for _ in range(3):  # offline, a measured overshoot is corrected until the plan fits (at most 3 times)
-            if peak <= budget:
-                break
-            measured[chosen.modes] = peak
-            chosen = plan_budget(costs, budget, base, ("off", "recompute", "selective"), measured=measured)
-            plan_obj.set_modes(chosen.modes)
-            peak = bench.peak()
-        remove_checkpointing(bench.module)
+    ours = fit_plans(bench, budgets, costs, base, measured)
+    for budget, (modes, peak) in ours.items():
         name = f"ours@{budget}"
-        ours[budget] = chosen.modes
         peaks[name] = peak
 
-        def install(modes=chosen.modes):
+        def install(modes=modes):
             apply_policy(bench.module, "none").set_modes(modes)
 
         configs[name] = (install, lambda: remove_checkpointing(bench.module))
@@ -314,7 +328,7 @@ def run_case(model_name: str, precision: str, args) -> Dict[str, Any]:
         fits = peaks[name] <= budget
         verdict = ("MISS (over budget)" if not fits else "—" if ratio is None else
                    "PASS" if ratio <= 1.0 else "TIE" if ratio <= TIE else "MISS")
-        rows.append(dict(budget=budget, modes=list(ours[budget]), peak=peaks[name], fits=fits, step_s=ours_s,
+        rows.append(dict(budget=budget, modes=list(ours[budget][0]), peak=peaks[name], fits=fits, step_s=ours_s,
                          step_range=[min(times[name]), max(times[name])], best_anchor=best, best_anchor_s=best_s,
                          best_anchor_range=[min(times[best]), max(times[best])] if best else None, ratio=ratio,
                          ratio_range=[min(paired), max(paired)] if paired else None,
@@ -323,58 +337,145 @@ def run_case(model_name: str, precision: str, args) -> Dict[str, Any]:
                   rounds=args.rounds, budgets=budgets, rows=rows,
                   anchors={a: dict(peak=peaks[a], step_s=statistics.median(times[a]),
                                    step_range=[min(times[a]), max(times[a])]) for a in anchors})
-    if args.compile:
-        result["compiled"] = compiled_rows(bench, budgets, peaks["none"], ours, args)
+    for grain in args.compile:
+        result.setdefault("compiled", []).extend(compiled_rows(bench, budgets, peaks["none"], args, grain))
     return result
 
 
-def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, ours: Dict[int, Tuple[str, ...]], args
-                  ) -> List[Dict[str, Any]]:
-    """torch.compile with activation_memory_budget = budget / none's peak, against our plan compiled.
+GRAINS = ("model", "block")
+REGION_BUDGET = "_bench_region_budget"  # per-block compile: the compiler's budget of this block's graph (None: off)
 
-    One compiled model holds both graphs (dynamo guards on each block's mode: every block ``off`` is the compiler's
-    budget, compiled under its ``activation_memory_budget``; our modes are the other entry), so the two are timed
-    in interleaved rounds and compared per round, like the eager rows."""
-    import torch._functorch.config as functorch_config
 
-    inner = bench.module.model
+def _region_budgeted(block: torch.nn.Module) -> Callable:
+    """A forward for ``block`` that, when ``block._bench_region_budget`` is a fraction, runs under
+    ``torch.autograd.graph.region_activation_memory_budget``: with ``block.compile()`` each block is its own graph,
+    and the annotation is that graph's ``activation_memory_budget``. Dynamo guards on the attribute, so the
+    budgeted and the plain graph of a block live side by side (a global config patch would not be guarded)."""
+    own = type(block).forward
+
+    def forward(self, *args, **kwargs):
+        fraction = getattr(self, REGION_BUDGET)  # a string: dynamo would trace a float attribute as a symbol
+        if fraction is None:
+            return own(self, *args, **kwargs)
+        with torch.autograd.graph.region_activation_memory_budget(float(fraction)):
+            return own(self, *args, **kwargs)
+
+    return types.MethodType(forward, block)
+
+
+class CompiledGrain:
+    """The benchmark model compiled at one grain: ``model`` (``torch.compile`` of the whole model; the compiler's
+    budget is ``torch._functorch.config.activation_memory_budget``) or ``block`` (``block.compile()`` per block, the
+    torchtitan / FSDP2 way; the compiler's budget is each block graph's ``region_activation_memory_budget``, set
+    through :func:`_region_budgeted`)."""
+
+    def __init__(self, bench: Bench, grain: str) -> None:
+        self.bench, self.grain, self.inner = bench, grain, bench.module.model
+        torch._dynamo.reset()
+        if grain == "block":
+            for block in bench.blocks:
+                setattr(block, REGION_BUDGET, None)
+                block.forward = _region_budgeted(block)
+            for block in bench.blocks:
+                block.compile()
+        else:
+            bench.module.model = torch.compile(self.inner)
+
+    def block_caller(self) -> Callable:
+        """What the callback passes to the calibration for this grain (``engine.compiled_block_caller``)."""
+        return (lambda block: block) if self.grain == "block" else torch.compile
+
+    def use(self, plan, modes: Sequence[str], fraction: Optional[float]):
+        """Set a variant: our modes, or every block off under the compiler's budget ``fraction``."""
+        import torch._functorch.config as functorch_config
+
+        plan.set_modes(list(modes))
+        if self.grain == "block":
+            for block in self.bench.blocks:
+                setattr(block, REGION_BUDGET, None if fraction is None else repr(fraction))
+            return contextlib.nullcontext()
+        return functorch_config.patch(activation_memory_budget=1.0 if fraction is None else fraction)
+
+    def close(self) -> None:
+        self.bench.module.model = self.inner
+        remove_checkpointing(self.bench.module)
+        for block in self.bench.blocks:
+            block._compiled_call_impl = None
+            if self.grain == "block":
+                del block.forward
+                delattr(block, REGION_BUDGET)
+        torch._dynamo.reset()
+
+
+def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, args, grain: str) -> List[Dict[str, Any]]:
+    """The compiler's activation memory budget at ``budget / none's peak`` against our plan, both compiled at one
+    grain (:class:`CompiledGrain`). Our plan comes from the plugin's calibration run on the compiled model as the
+    callback runs it: bytes steps eagerly, block times compiled (``block_caller``).
+
+    One compiled model holds both variants' graphs (dynamo guards on each block's mode and, per block, on its region
+    budget), so the two are timed in interleaved rounds and compared per round, like the eager rows; the cache is
+    reset between budgets (dynamo's recompile limit). Memory: the CPU allocator's activation peak of one forward +
+    backward (gradient buffers left out), the instrument of ``benchmarks/compile.py`` that sees inside compiled
+    graphs, for both variants and for our plan run eagerly. The budgets are MemTracker peaks, evenly spaced between
+    eager ``all``'s and ``none``'s; in the allocator's units (which also count backward temporaries) the same
+    budgets are evenly spaced between eager ``all``'s and ``none``'s allocator peaks, and a variant fits when its
+    compiled allocator peak is at most that.
+    """
+    params = list(bench.module.parameters())
+    compiled = CompiledGrain(bench, grain)
+    try:
+        plan, calibration, measured = our_costs(bench, compiled.block_caller())
+        ends = {}
+        for spec in ("all", "none"):
+            plan.retarget(spec)
+            with torch.compiler.set_stance("force_eager"):
+                gc.collect()
+                ends[spec] = allocation_peaks(bench.fwd_bwd, params)[1]
+        remove_checkpointing(bench.module)
+        with torch.compiler.set_stance("force_eager"):  # MemTracker sees eager operators only
+            ours = fit_plans(bench, budgets, calibration.costs(), calibration.base, measured)
+    finally:
+        compiled.close()
     rows = []
+    low, high = budgets[0], budgets[-1]
     for budget in budgets:
         fraction = min(max(budget / none_peak, 0.0), 1.0)
-        variants = {"compile budget": (("off",) * len(bench.blocks), fraction),
-                    "ours compiled": (tuple(ours[budget]), 1.0)}
-        torch._dynamo.reset()
+        allocator_budget = round(ends["all"] + (ends["none"] - ends["all"]) * (budget - low) / max(high - low, 1))
+        modes = ours[budget][0]
+        variants = {"compile budget": (("off",) * len(bench.blocks), fraction), "ours compiled": (modes, None)}
+        compiled = CompiledGrain(bench, grain)
         plan = apply_policy(bench.module, "none")
-        bench.module.model = torch.compile(inner)
-        saved: Dict[str, int] = {}
+        peaks: Dict[str, int] = {}
         times: Dict[str, List[float]] = {label: [] for label in variants}
         try:
-            for r in range(args.rounds + 1):  # round 0 compiles each variant and reads its saved bytes
+            with compiled.use(plan, modes, None), torch.compiler.set_stance("force_eager"):
+                gc.collect()
+                ours_eager = allocation_peaks(bench.fwd_bwd, params)[1]
+            for r in range(args.rounds + 1):  # round 0 compiles each variant and measures its peak
                 for label in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
-                    modes, budget_fraction = variants[label]
-                    plan.set_modes(list(modes))
-                    with functorch_config.patch(activation_memory_budget=budget_fraction):
+                    with compiled.use(plan, *variants[label]):
                         if r == 0:
                             bench.step()  # compiles this variant's forward and backward
-                            meter = StepMeter("cpu", model=bench.module)
-                            with meter.step(exact=False) as box:
-                                bench.step()
-                            saved[label] = int(box.reading.activations_estimate or box.reading.activations or 0)
+                            gc.collect()
+                            peaks[label] = allocation_peaks(bench.fwd_bwd, params)[1]
                         else:
                             times[label].append(bench.seconds())
         finally:
-            bench.module.model = inner
-            remove_checkpointing(bench.module)
+            compiled.close()
         paired = [o / b for o, b in zip(times["ours compiled"], times["compile budget"])]
         ratio = statistics.median(paired)
-        rows.append(dict(budget=budget, fraction=fraction, compile_saved=saved["compile budget"],
+        ours_fits, theirs_fit = (peaks[v] <= allocator_budget for v in ("ours compiled", "compile budget"))
+        verdict = ("MISS (over budget)" if not ours_fits else "PASS (the compiler's plan is over budget)"
+                   if not theirs_fit else "PASS" if ratio <= 1.0 else "TIE" if ratio <= TIE else "MISS")
+        rows.append(dict(grain=grain, budget=budget, allocator_budget=allocator_budget, fraction=fraction,
+                         ours_fits=ours_fits, compile_fits=theirs_fit, compile_peak=peaks["compile budget"],
                          compile_s=statistics.median(times["compile budget"]),
                          compile_range=[min(times["compile budget"]), max(times["compile budget"])],
-                         ours_saved=saved["ours compiled"], ours_s=statistics.median(times["ours compiled"]),
+                         ours_eager_peak=ours_eager, ours_memtracker_peak=ours[budget][1],
+                         ours_peak=peaks["ours compiled"], ours_s=statistics.median(times["ours compiled"]),
                          ours_range=[min(times["ours compiled"]), max(times["ours compiled"])], ratio=ratio,
-                         ratio_range=[min(paired), max(paired)],
-                         verdict="PASS" if ratio <= 1.0 else "TIE" if ratio <= TIE else "MISS"))
-    torch._dynamo.reset()
+                         ratio_range=[min(paired), max(paired)], modes=list(modes), verdict=verdict,
+                         block_seconds=calibration.block_seconds))
     return rows
 
 
@@ -394,12 +495,34 @@ def print_case(result: Dict[str, Any]) -> None:
               f"{(r['best_anchor_s'] or 0) * 1e3:>8.1f} {arng:>13}{(r['ratio'] or 0):>7.3f} {prng:<15} {r['verdict']}")
     print("anchors: " + "; ".join(f"{a} {v['peak'] / MiB:.2f} MiB {v['step_s'] * 1e3:.0f} ms"
                                   for a, v in result["anchors"].items()))
-    for r in result.get("compiled", []):
-        print(f"  compiled @ {r['budget'] / MiB:.2f} MiB (fraction {r['fraction']:.2f}): activation_memory_budget "
-              f"{r['compile_s'] * 1e3:.0f} ms (saved {r['compile_saved'] / MiB:.2f} MiB) vs ours compiled "
-              f"{r['ours_s'] * 1e3:.0f} ms (saved {r['ours_saved'] / MiB:.2f} MiB): paired ratio {r['ratio']:.3f} "
-              f"({r['ratio_range'][0]:.3f}-{r['ratio_range'][1]:.3f}) "
-              f"{r['verdict']}")
+    for grain in GRAINS:
+        rows = [r for r in result.get("compiled", []) if r["grain"] == grain]
+        if not rows:
+            continue
+        print(f"\ncompiled ({'torch.compile(model)' if grain == 'model' else 'block.compile() per block'}): the "
+              "compiler's memory budget at budget / none's peak vs our plan; peaks by the CPU allocator "
+              "(MiB; 'allocator': the budget in its units)")
+        seconds = "; ".join(f"{cls} " + ", ".join(f"{m} +{t * 1e3:.2f} ms" for m, t in modes.items())
+                            for cls, modes in rows[0]["block_seconds"].items())
+        print(f"our calibration's compiled block times (forward + backward of one block, over off): {seconds}")
+        print(f"{'budget MiB':>10} {'allocator':>9} {'fraction':>8} {'compiler peak':>13} {'ms':>6} {'our plan':<32}"
+              f"{'eager peak':>11}{'compiled peak':>14} {'ms':>6}{'ratio':>7} {'(paired range)':<15} verdict")
+        for r in rows:
+            mix = ", ".join(f"{r['modes'].count(m)} {m}" for m in ("off", "selective", "recompute") if m in r["modes"])
+            print(f"{r['budget'] / MiB:>10.2f} {r['allocator_budget'] / MiB:>9.2f} {r['fraction']:>8.2f} "
+                  f"{r['compile_peak'] / MiB:>13.2f} {r['compile_s'] * 1e3:>6.0f} {mix:<32}"
+                  f"{r['ours_eager_peak'] / MiB:>11.2f}"
+                  f"{r['ours_peak'] / MiB:>14.2f} {r['ours_s'] * 1e3:>6.0f}{r['ratio']:>7.3f} "
+                  f"({r['ratio_range'][0]:.3f}-{r['ratio_range'][1]:.3f})  {r['verdict']}")
+
+
+def _grains(text: str) -> List[str]:
+    grains = [g.strip() for g in text.split(",") if g.strip()]
+    bad = [g for g in grains if g not in GRAINS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--compile {text!r}: unknown grain {bad}; choose among {list(GRAINS)}, "
+                                         "e.g. --compile model,block")
+    return grains
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -409,7 +532,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--budgets", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--compile", action="store_true", help="also torch.compile's activation_memory_budget")
+    parser.add_argument("--compile", nargs="?", const="model,block", default="", type=_grains,
+                        help="also torch.compile's memory budget against our plan compiled, for the whole model "
+                             "and/or block by block (default, bare: model,block)")
     parser.add_argument("--quick", action="store_true", help="small models, 4 budgets, 2 rounds")
     parser.add_argument("--small", action="store_true",
                         help="the small models (4 blocks × 128) at the given budgets and rounds: bf16 autocast on a "

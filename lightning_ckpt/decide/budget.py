@@ -247,6 +247,9 @@ class BudgetCalibration:
        replay of the blocks in the mode. A mode's time is its forward's extra time over ``off`` plus its replay
        (offload: the extra forward time twice, out and back). Memory stays between the ``every:2`` level and the
        un-checkpointed one, never above it.
+       When the blocks run compiled (``block_caller`` given), hooks cannot time a compiled forward or replay and
+       eager times are the wrong prices: there are no time steps; instead, after the bytes steps, one block of each
+       class is timed on its own in every mode, as training runs it (:mod:`lightning_ckpt.decide.block_timing`).
     2. Time is noisy on a shared machine: blocks of one class share the median of their measured times per mode
        (a Transformer's blocks are alike); bytes stay per block.
     3. :func:`plan_budget` picks the plan; the step after it is measured and compared with the prediction; if it
@@ -260,10 +263,14 @@ class BudgetCalibration:
         apply: sets the per-block modes (default ``plan.set_modes``); the Lightning edge passes its own, so that
             every plan change goes through its safety checks.
         modes: the modes the plan may mix with ``off``.
+        block_caller: for blocks that run compiled: maps a block to the callable that runs it as training does
+            (the block itself when compiled with ``block.compile()``; ``torch.compile(block)`` when the whole model
+            is one compiled graph). Given, the time costs come from timing blocks on their own (step 1).
+        repeats: timed rounds per block class with ``block_caller``.
     """
 
     def __init__(self, plan, meter, budget: int, synchronize=None, apply=None,
-                 modes: Sequence[str] = ("recompute", "selective")) -> None:
+                 modes: Sequence[str] = ("recompute", "selective"), block_caller=None, repeats: int = 5) -> None:
         self.plan, self.meter, self.budget = plan, meter, budget
         self.synchronize = synchronize or (lambda: None)
         self.apply = apply or plan.set_modes
@@ -272,8 +279,10 @@ class BudgetCalibration:
         if bad:
             raise ValueError(f"budget modes {bad} are not solver modes; choose among {list(SOLVER_MODES)}.")
         # every block recomputed first: its peak is a replay in backward, which tells the backward base apart
+        self.block_caller, self.repeats = block_caller, repeats
+        kinds = ("bytes",) if block_caller is not None else ("bytes", "time")
         self.stages = [("recompute", "all", "bytes")] * ("recompute" in self.modes) + [
-            (mode, parity, kind) for mode in self.modes for parity in (0, 1) for kind in ("bytes", "time")]
+            (mode, parity, kind) for mode in self.modes for parity in (0, 1) for kind in kinds]
         n = plan.num_blocks
         self.interior: List[int] = [0] * n
         self.boundary: List[int] = [0] * n
@@ -290,6 +299,8 @@ class BudgetCalibration:
         self._open: dict = {}
         self._base: Tuple[int, int] = (0, 0)
         self.measured_plans: Dict[Tuple[str, ...], int] = {}  # plans run during calibration: their measured peak
+        self._inputs: Dict[int, object] = {}  # block_caller: the timed block of each class -> its captured input
+        self.block_seconds: Dict[str, Dict[str, float]] = {}  # block_caller: class -> mode -> seconds added
         self._calibration_peaks: List[int] = []
 
     @property
@@ -328,6 +339,8 @@ class BudgetCalibration:
             self.stage += 1
             if not self.calibrating:
                 self._remove()
+                if self.block_caller is not None:
+                    self._time_blocks()
                 # what the blocks do not explain (embeddings, logits, loss), forward and backward apart
                 byte_stages = [i for i, stage in enumerate(self.stages) if stage[2] == "bytes"]
                 self.measured_plans.update({tuple(self._stage_modes(i)): peak
@@ -392,6 +405,8 @@ class BudgetCalibration:
         """Seconds ``mode`` adds to block ``i`` per step: its forward's extra time over ``off`` plus its replay."""
         if mode not in self.modes:
             return None
+        if self.block_caller is not None:
+            return self.block_seconds.get(type(self.plan.blocks[i]).__name__, {}).get(mode)
         forward, replay = self._shared(self.forward_seconds[mode], i), self._shared(self.mode_seconds[mode], i)
         if mode == "offload":  # the copies out in the forward, and back in the backward
             return None if forward is None else 2 * max(forward - off, 0.0)
@@ -413,6 +428,42 @@ class BudgetCalibration:
             self._handles.append(block.register_forward_pre_hook(self._pre(index)))
             self._handles.append(block.register_forward_hook(self._post(index)))
         self._handles.append(register_replay_hook(self._replay))
+        if self.block_caller is not None:
+            for index in self._timed_blocks():
+                self._handles.append(self.plan.blocks[index].register_forward_pre_hook(self._capture(index),
+                                                                                        with_kwargs=True))
+
+    def _timed_blocks(self) -> List[int]:
+        """The last block of each class (the first carries the engine's phase hook; any member would do)."""
+        last = {type(block).__name__: i for i, block in enumerate(self.plan.blocks)}
+        return sorted(last.values())
+
+    def _capture(self, index: int):
+        import torch
+
+        from lightning_ckpt.decide.block_timing import capture_block_input
+
+        def hook(module, args, kwargs):
+            if index not in self._inputs and module.training and torch.is_grad_enabled():
+                self._inputs[index] = capture_block_input(args, kwargs)
+
+        return hook
+
+    def _time_blocks(self) -> None:
+        """Price each mode on one block per class, run alone as training runs it (the blocks are compiled)."""
+        from lightning_ckpt.decide.block_timing import time_block_modes
+
+        n = self.plan.num_blocks
+        for index, block_input in self._inputs.items():
+
+            def set_mode(mode: str, index: int = index) -> None:
+                self.apply([mode if i == index else "off" for i in range(n)])
+
+            block = self.plan.blocks[index]
+            seconds = time_block_modes(self.block_caller(block), set_mode, block_input, self.modes, self.repeats,
+                                       self.synchronize)
+            self.block_seconds[type(block).__name__] = seconds
+        self._inputs.clear()
 
     def close(self) -> None:
         """Remove the calibration's hooks (idempotent): the run ended, calibrated or not."""

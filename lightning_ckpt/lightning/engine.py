@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
 __all__ = ["REPORT_FILE", "STATE_VERSION", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine",
-           "blocks_in_one_compiled_graph"]
+           "blocks_in_one_compiled_graph", "compiled_block_caller"]
 
 REPORT_FILE = "lightning_ckpt_report.json"
 STATE_VERSION = 1
@@ -72,6 +72,26 @@ def blocks_in_one_compiled_graph(pl_module: "pl.LightningModule", blocks) -> boo
             if sum(id(m) in ids for m in module._orig_mod.modules()) > 1:
                 return True
     return False
+
+
+def compiled_block_caller(pl_module: "pl.LightningModule", blocks) -> Optional[Callable]:
+    """How the budget's calibration runs one block as training runs it, when the blocks run compiled (``None``
+    when they run eagerly): the block itself after ``block.compile()``, its ``torch.compile`` wrapper when the
+    parent holds one, and, when the whole model is one compiled graph (where a block's code is only reachable
+    inside that graph), the block alone compiled with the whole model's backend and options."""
+    eval_frame = torch._dynamo.eval_frame
+    wrappers = [m for m in pl_module.modules() if isinstance(m, eval_frame.OptimizedModule)]
+    by_block = {id(m._orig_mod): m for m in wrappers}
+    if blocks_in_one_compiled_graph(pl_module, blocks):
+        first = blocks[0] if blocks else None
+        holders = [m.dynamo_ctx for m in wrappers if any(b is first for b in m._orig_mod.modules())]
+        ctx = holders[0] if holders else (getattr(pl_module, "_compiler_ctx", None) or {}).get("dynamo_ctx")
+        return (lambda block: eval_frame.OptimizedModule(block, ctx)) if ctx is not None else torch.compile
+    if any(id(b) in by_block for b in blocks):
+        return lambda block: by_block.get(id(block), block)
+    if any(getattr(b, "_compiled_call_impl", None) is not None for b in blocks):
+        return lambda block: block
+    return None
 
 
 class CheckpointingEngine:
@@ -192,7 +212,8 @@ class CheckpointingEngine:
             # offload is a mode only where host memory is not the device's own memory
             modes = ("recompute", "selective", "offload") if device.type == "cuda" else ("recompute", "selective")
             self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
-                                                 modes=modes)
+                                                 modes=modes,
+                                                 block_caller=compiled_block_caller(pl_module, self.plan.blocks))
             if blocks_in_one_compiled_graph(pl_module, self.plan.blocks):
                 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
