@@ -106,13 +106,15 @@ def test_budget_under_compile_calibrates_eagerly_and_compiles_the_chosen_plan_on
     counter = GraphCount()
     model = _model(counter)
     cb = ActivationCheckpointing(policy="budget:200KiB")
-    calibration_steps = 9  # every block recomputed, then a bytes and a time step per mode and parity
+    calibration_steps = 5  # every block recomputed, then a bytes step per mode and parity; no time steps
     with pytest.warns(UserWarning, match=r"whole model under torch.compile.*activation_memory_budget.*block\.compile"):
         _fit(tmp_path, model, [cb], steps=calibration_steps + 3)
-    assert cb.calibration.done and cb.calibration.chosen is not None and len(cb.calibration.stages) == 9
+    assert cb.calibration.done and cb.calibration.chosen is not None and len(cb.calibration.stages) == 5
+    # the modes are priced on one block compiled alone with the model's own backend: one graph per mode
+    assert set(cb.calibration.block_seconds["Block"]) == {"recompute", "selective"}
     # the calibration steps run eagerly (block hooks), the next is the chosen plan's eager reference, the rest run
     # compiled; a correction after the verify step adds at most one more plan
-    assert 1 <= counter.graphs <= 2, counter.graphs
+    assert 3 + 1 <= counter.graphs <= 3 + 2, counter.graphs
 
 
 @pytest.mark.parametrize("backend", ["inductor"])
@@ -145,3 +147,33 @@ def test_whole_model_compile_is_told_apart_from_block_by_block():
     model.model = inner
     model._compiler_ctx = {"compiler": "dynamo"}  # trainer.fit(torch.compile(model)): Lightning's record of it
     assert blocks_in_one_compiled_graph(model, blocks)
+
+
+def test_the_budget_times_blocks_the_way_they_run():
+    """The calibration's block caller: none when the blocks run eagerly, the block itself after ``block.compile()``,
+    the wrapper a parent holds after ``torch.compile(block)``, and the block alone compiled with the whole model's
+    own backend and options when the whole model is one graph."""
+    from lightning_ckpt.core.blocks import find_blocks
+    from lightning_ckpt.lightning.engine import compiled_block_caller
+
+    model = _model()
+    blocks = [b for _, b in find_blocks(model)]
+    assert compiled_block_caller(model, blocks) is None
+    for block in blocks:
+        block.compile(backend="eager")
+    assert compiled_block_caller(model, blocks)(blocks[1]) is blocks[1]
+    for block in blocks:
+        block._compiled_call_impl = None
+    held = model.model.transformer.h
+    wrappers = [torch.compile(block, backend="eager") for block in blocks]
+    for i, wrapper in enumerate(wrappers):
+        held[i] = wrapper
+    assert compiled_block_caller(model, blocks)(blocks[1]) is wrappers[1]
+    for i, block in enumerate(blocks):
+        held[i] = block
+    counter = GraphCount()
+    whole = torch.compile(model.model, backend=counter.backend)
+    model.model = whole
+    caller = compiled_block_caller(model, blocks)(blocks[0])
+    assert isinstance(caller, torch._dynamo.eval_frame.OptimizedModule) and caller._orig_mod is blocks[0]
+    assert caller.dynamo_ctx is whole.dynamo_ctx  # the user's backend and options, not a default compile

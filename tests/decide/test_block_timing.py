@@ -1,0 +1,129 @@
+"""The budget's compiled block timing: one block run alone in every mode, as training runs it.
+
+What must hold: a replay is priced (recompute costs more than ``off``), no ``.grad`` is touched, the random-number
+state and the block's mode are as before, the training step's autocast is reproduced, and with the blocks compiled
+the calibration prices modes from the compiled graphs, with bytes steps only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from lightning_ckpt.core.wrap import apply_policy
+from lightning_ckpt.decide.block_timing import capture_block_input, time_block_modes
+from lightning_ckpt.decide.budget import BudgetCalibration
+from lightning_ckpt.demos.gpt import GPT, GPTConfig
+from lightning_ckpt.measure.meter import StepMeter
+
+
+def _gpt(n_layer=2, n_embd=128, block_size=128, dropout=0.1):
+    torch.manual_seed(0)
+    return GPT(GPTConfig.tiny(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=96, block_size=block_size,
+                              dropout=dropout))
+
+
+def _captured(model, idx, autocast=None):
+    box = {}
+
+    def capture(module, args, kwargs):
+        box.setdefault("input", capture_block_input(args, kwargs))
+
+    handle = model.transformer.h[-1].register_forward_pre_hook(capture, with_kwargs=True)
+    with autocast or torch.autocast("cpu", enabled=False):
+        model(idx, idx)
+    handle.remove()
+    return box["input"]
+
+
+def test_a_replay_is_priced_and_nothing_of_training_is_touched():
+    model = _gpt()
+    plan = apply_policy(model, "none")
+    idx = torch.randint(0, 96, (4, 128), generator=torch.Generator().manual_seed(1))
+    block_input = _captured(model, idx)
+    last = plan.num_blocks - 1
+    seen = []
+
+    def set_mode(mode):
+        seen.append(mode)
+        plan.set_modes(["off"] * last + [mode])
+
+    rng = torch.get_rng_state()
+    seconds = time_block_modes(plan.blocks[last], set_mode, block_input, ("recompute", "selective"), repeats=5)
+    assert set(seconds) == {"recompute", "selective"}
+    assert seconds["recompute"] > 0  # the replay of the whole block runs in backward
+    assert seconds["selective"] <= seconds["recompute"] * 1.5
+    assert all(p.grad is None for p in model.parameters())  # gradient accumulation is never disturbed
+    assert torch.equal(torch.get_rng_state(), rng)  # dropout in training draws what it would have drawn
+    assert plan.modes == ("off",) * plan.num_blocks and seen[-1] == "off"
+    assert {"off", "recompute", "selective"} <= set(seen)
+
+
+def test_the_training_steps_autocast_is_captured_and_reentered():
+    model = _gpt(n_embd=32, block_size=16)
+    idx = torch.randint(0, 96, (2, 16))
+    plain = _captured(model, idx)
+    mixed = _captured(model, idx, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False))
+    assert plain.autocast is None and mixed.autocast == (torch.bfloat16, False)
+    with mixed.context():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert mixed.args[0].dtype == torch.float32 and not mixed.args[0].requires_grad  # a detached copy
+    args, _ = mixed.fresh()
+    assert args[0].requires_grad and args[0].grad_fn is None  # a new leaf per call
+
+
+class _Counting:
+    """AOTAutograd with the min-cut partitioner: counts the forward and the backward graphs it runs."""
+
+    def __init__(self):
+        self.forward_calls = self.backward_calls = 0
+
+        def forward_compiler(gm, _):
+            def run(*args):
+                self.forward_calls += 1
+                return gm(*args)
+
+            return run
+
+        def backward_compiler(gm, _):
+            def run(*args):
+                self.backward_calls += 1
+                return gm(*args)
+
+            return run
+
+        self.backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+                                    partition_fn=min_cut_rematerialization_partition)
+
+
+@pytest.mark.timeout(300)
+def test_with_compiled_blocks_the_calibration_prices_modes_on_the_compiled_graphs():
+    model = _gpt(n_layer=4, n_embd=32, block_size=32, dropout=0.0)
+    counting = _Counting()
+    plan = apply_policy(model, "none")
+    for block in model.transformer.h:
+        block.compile(backend=counting.backend)
+    idx = torch.randint(0, 96, (2, 32))
+    meter = StepMeter("cpu", model=model)
+    calibration = BudgetCalibration(plan, meter, budget=2**40, block_caller=lambda block: block, repeats=2)
+    assert [kind for _, _, kind in calibration.stages] == ["bytes"] * 5  # no time steps: blocks are timed alone
+    while calibration.calibrating:
+        calibration.begin_step()
+        before = counting.forward_calls
+        with meter.step(exact=calibration.exact_step, eager=True) as box:
+            model(idx, idx)[1].backward()
+        assert counting.forward_calls == before  # the bytes steps run eagerly (block hooks see them)
+        last_stage = len(calibration.stages) - 1 == calibration.stage
+        calls = counting.forward_calls, counting.backward_calls
+        calibration.end_step(int(box.reading.activations))
+    # the last end_step timed one block per class, compiled: 3 modes x (1 untimed + 2 timed) forward and backward
+    assert last_stage and counting.forward_calls - calls[0] == 9 and counting.backward_calls - calls[1] == 9
+    assert set(calibration.block_seconds) == {"Block"}
+    assert set(calibration.block_seconds["Block"]) == {"recompute", "selective"}
+    costs = calibration.costs()
+    assert costs[0].recompute_s == calibration.block_seconds["Block"]["recompute"]
+    assert costs[0].selective_s == calibration.block_seconds["Block"]["selective"]
+    assert calibration.chosen is not None and calibration.chosen.modes == ("off",) * 4  # a budget nothing exceeds
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
