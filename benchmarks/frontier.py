@@ -425,17 +425,15 @@ def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, args, gr
     compiled = CompiledGrain(bench, grain)
     try:
         plan, calibration, measured = our_costs(bench, compiled.block_caller())
-        ends = {}
-        for spec in ("all", "none"):
-            plan.retarget(spec)
-            with torch.compiler.set_stance("force_eager"):
-                gc.collect()
-                ends[spec] = allocation_peaks(bench.fwd_bwd, params)[1]
-        remove_checkpointing(bench.module)
-        with torch.compiler.set_stance("force_eager"):  # MemTracker sees eager operators only
-            ours = fit_plans(bench, budgets, calibration.costs(), calibration.base, measured)
     finally:
         compiled.close()
+    ends = {}  # eager, like the plans' MemTracker peaks (MemTracker sees eager operators only)
+    for spec in ("all", "none"):
+        apply_policy(bench.module, spec)
+        gc.collect()
+        ends[spec] = allocation_peaks(bench.fwd_bwd, params)[1]
+        remove_checkpointing(bench.module)
+    ours = fit_plans(bench, budgets, calibration.costs(), calibration.base, measured)
     rows = []
     low, high = budgets[0], budgets[-1]
     for budget in budgets:

@@ -69,6 +69,30 @@ def test_frontier_quick_json(tmp_path):
         assert row["fits"] and row["peak"] <= row["budget"] and row["verdict"] in ("PASS", "TIE", "MISS"), row
 
 
+@pytest.mark.timeout(400)
+def test_frontier_compiled_rows_at_block_grain(tmp_path):
+    """``--compile block``: our plan comes from the calibration run on the per-block compiled model (modes priced on
+    compiled blocks), both variants' peaks come from the CPU allocator, and the budgets are re-spaced in its units."""
+    out = tmp_path / "frontier.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--quick", "--budgets", "2", "--models", "gpt",
+         "--precisions", "32-true", "--compile", "block", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=390,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (case,) = json.loads(out.read_text())
+    rows = case["compiled"]
+    assert [r["grain"] for r in rows] == ["block", "block"] and [r["budget"] for r in rows] == case["budgets"]
+    assert set(rows[0]["block_seconds"]["Block"]) == {"recompute", "selective"}
+    low, high = rows
+    assert low["allocator_budget"] < high["allocator_budget"] and low["fraction"] < high["fraction"] == 1.0
+    assert low["modes"] == ["recompute"] * case["blocks"]  # all's budget: every block recomputed
+    assert low["ours_fits"] and high["ours_fits"] and high["compile_fits"]
+    assert low["ours_peak"] < high["ours_peak"] and low["compile_peak"] < high["compile_peak"]
+    for row in rows:
+        assert row["verdict"].split()[0] in ("PASS", "TIE", "MISS"), row
+
+
 def _compile_benchmark():
     import importlib.util
 

@@ -9,6 +9,7 @@ from typing import Any, List, Sequence
 __all__ = [
     "ENGINE_ATTR",
     "check_strategy",
+    "is_fsdp_module",
     "owners",
     "refuse_regions_across_shards",
     "refuse_static_graph",
@@ -100,6 +101,17 @@ def _is_fsdp2(module: Any) -> bool:
         except ImportError:  # pragma: no cover - torch without distributed
             return False
     return isinstance(module, FSDPModule)
+
+
+def is_fsdp_module(module: Any) -> bool:
+    """Whether ``module`` is an FSDP unit: FSDP2 ``fully_shard`` or FSDP1 ``FullyShardedDataParallel``."""
+    if _is_fsdp2(module):
+        return True
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(module, FullyShardedDataParallel)
 
 
 def _is_fsdp1(strategy: Any) -> bool:

@@ -78,7 +78,11 @@ def compiled_block_caller(pl_module: "pl.LightningModule", blocks) -> Optional[C
     """How the budget's calibration runs one block as training runs it, when the blocks run compiled (``None``
     when they run eagerly): the block itself after ``block.compile()``, its ``torch.compile`` wrapper when the
     parent holds one, and, when the whole model is one compiled graph (where a block's code is only reachable
-    inside that graph), the block alone compiled with the whole model's backend and options."""
+    inside that graph), the block alone compiled with the whole model's backend and options. ``None`` too when the
+    model is sharded by FSDP: one block run alone would gather its parameters outside the root module's forward,
+    which FSDP's state machine does not expect (those runs keep timing blocks inside the training step)."""
+    if any(conflicts.is_fsdp_module(m) for m in pl_module.modules()):
+        return None
     eval_frame = torch._dynamo.eval_frame
     wrappers = [m for m in pl_module.modules() if isinstance(m, eval_frame.OptimizedModule)]
     by_block = {id(m._orig_mod): m for m in wrappers}

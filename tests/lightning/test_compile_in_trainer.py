@@ -177,3 +177,19 @@ def test_the_budget_times_blocks_the_way_they_run():
     caller = compiled_block_caller(model, blocks)(blocks[0])
     assert isinstance(caller, torch._dynamo.eval_frame.OptimizedModule) and caller._orig_mod is blocks[0]
     assert caller.dynamo_ctx is whole.dynamo_ctx  # the user's backend and options, not a default compile
+
+
+def test_sharded_blocks_keep_timing_inside_the_step(monkeypatch):
+    """Under FSDP one block run alone would gather its parameters outside the root's forward: no block caller,
+    the calibration times blocks inside its training steps (eagerly) as without compile."""
+    from lightning_ckpt.core.blocks import find_blocks
+    from lightning_ckpt.lightning import conflicts
+    from lightning_ckpt.lightning.engine import compiled_block_caller
+
+    model = _model()
+    blocks = [b for _, b in find_blocks(model)]
+    for block in blocks:
+        block.compile(backend="eager")
+    assert compiled_block_caller(model, blocks) is not None
+    monkeypatch.setattr(conflicts, "is_fsdp_module", lambda module: module is blocks[0])
+    assert compiled_block_caller(model, blocks) is None
