@@ -344,14 +344,14 @@ def run_case(model_name: str, precision: str, args) -> Dict[str, Any]:
 
 
 GRAINS = ("model", "block")
-REGION_BUDGET = "_bench_region_budget"  # per-block compile: the compiler's budget of this block's graph (None: off)
+REGION_BUDGET = "_bench_region_budget"  # the compiler's budget of a compiled graph (None: not set)
 
 
 def _region_budgeted(block: torch.nn.Module) -> Callable:
-    """A forward for ``block`` that, when ``block._bench_region_budget`` is a fraction, runs under
-    ``torch.autograd.graph.region_activation_memory_budget``: with ``block.compile()`` each block is its own graph,
-    and the annotation is that graph's ``activation_memory_budget``. Dynamo guards on the attribute, so the
-    budgeted and the plain graph of a block live side by side (a global config patch would not be guarded)."""
+    """A forward for ``block`` (a block, or the whole model) that, when ``block._bench_region_budget`` is a fraction,
+    runs under ``torch.autograd.graph.region_activation_memory_budget``: the annotation covers the compiled graph's
+    whole forward, so it is that graph's ``activation_memory_budget``. Dynamo guards on the attribute, so the
+    budgeted and the plain graphs live side by side (a global config patch would not be guarded)."""
     own = type(block).forward
 
     def forward(self, *args, **kwargs):
@@ -365,18 +365,21 @@ def _region_budgeted(block: torch.nn.Module) -> Callable:
 
 
 class CompiledGrain:
-    """The benchmark model compiled at one grain: ``model`` (``torch.compile`` of the whole model; the compiler's
-    budget is ``torch._functorch.config.activation_memory_budget``) or ``block`` (``block.compile()`` per block, the
-    torchtitan / FSDP2 way; the compiler's budget is each block graph's ``region_activation_memory_budget``, set
-    through :func:`_region_budgeted`)."""
+    """The benchmark model compiled at one grain: ``model`` (``torch.compile`` of the whole model) or ``block``
+    (``block.compile()`` per block, the torchtitan / FSDP2 way). The compiler's budget is the compiled graph's
+    ``region_activation_memory_budget`` (the whole model's forward, or each block's), set through
+    :func:`_region_budgeted`: it overrides ``torch._functorch.config.activation_memory_budget`` for that graph, and
+    dynamo guards on it, so each fraction gets its own graph (a config patch is not guarded: a second fraction would
+    silently reuse the first one's graph)."""
 
     def __init__(self, bench: Bench, grain: str) -> None:
         self.bench, self.grain, self.inner = bench, grain, bench.module.model
         torch._dynamo.reset()
+        self.budgeted = list(bench.blocks) if grain == "block" else [self.inner]
+        for module in self.budgeted:
+            setattr(module, REGION_BUDGET, None)
+            module.forward = _region_budgeted(module)
         if grain == "block":
-            for block in bench.blocks:
-                setattr(block, REGION_BUDGET, None)
-                block.forward = _region_budgeted(block)
             for block in bench.blocks:
                 block.compile()
         else:
@@ -388,14 +391,10 @@ class CompiledGrain:
 
     def use(self, plan, modes: Sequence[str], fraction: Optional[float]):
         """Set a variant: our modes, or every block off under the compiler's budget ``fraction``."""
-        import torch._functorch.config as functorch_config
-
         plan.set_modes(list(modes))
-        if self.grain == "block":
-            for block in self.bench.blocks:
-                setattr(block, REGION_BUDGET, None if fraction is None else repr(fraction))
-            return contextlib.nullcontext()
-        return functorch_config.patch(activation_memory_budget=1.0 if fraction is None else fraction)
+        for module in self.budgeted:
+            setattr(module, REGION_BUDGET, None if fraction is None else repr(fraction))
+        return contextlib.nullcontext()
 
     def peak(self, plan, modes: Sequence[str], fraction: Optional[float]) -> int:
         """Compile a variant (one step) and read its activation peak from the CPU allocator."""
@@ -409,9 +408,9 @@ class CompiledGrain:
         remove_checkpointing(self.bench.module)
         for block in self.bench.blocks:
             block._compiled_call_impl = None
-            if self.grain == "block":
-                del block.forward
-                delattr(block, REGION_BUDGET)
+        for module in self.budgeted:
+            del module.forward
+            delattr(module, REGION_BUDGET)
         torch._dynamo.reset()
 
 
