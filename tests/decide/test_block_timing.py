@@ -50,12 +50,14 @@ def test_a_replay_is_priced_and_nothing_of_training_is_touched():
         seen.append(mode)
         plan.set_modes(["off"] * last + [mode])
 
+    model(idx, idx)[1].backward()  # mid-way through gradient accumulation: .grad holds the window's sum so far
+    accumulated = [p.grad.clone() for p in model.parameters()]
     rng = torch.get_rng_state()
     seconds = time_block_modes(plan.blocks[last], set_mode, block_input, ("recompute", "selective"), repeats=5)
     assert set(seconds) == {"recompute", "selective"}
     assert seconds["recompute"] > 0  # the replay of the whole block runs in backward
     assert seconds["selective"] <= seconds["recompute"] * 1.5
-    assert all(p.grad is None for p in model.parameters())  # gradient accumulation is never disturbed
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), accumulated))  # accumulation untouched
     assert torch.equal(torch.get_rng_state(), rng)  # dropout in training draws what it would have drawn
     assert plan.modes == ("off",) * plan.num_blocks and seen[-1] == "off"
     assert {"off", "recompute", "selective"} <= set(seen)
@@ -99,7 +101,19 @@ class _Counting:
 
 
 @pytest.mark.timeout(300)
-def test_with_compiled_blocks_the_calibration_prices_modes_on_the_compiled_graphs():
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_with_compiled_blocks_the_calibration_prices_modes_on_the_compiled_graphs(precision, monkeypatch):
+    from lightning_ckpt.decide import block_timing
+
+    timed_under = []
+    real = block_timing.time_block_modes
+
+    def spy(call, set_mode, block_input, *args, **kwargs):
+        timed_under.append(block_input.autocast)
+        return real(call, set_mode, block_input, *args, **kwargs)
+
+    monkeypatch.setattr(block_timing, "time_block_modes", spy)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=precision == "bf16-mixed")
     model = _gpt(n_layer=4, n_embd=32, block_size=32, dropout=0.0)
     counting = _Counting()
     plan = apply_policy(model, "none")
@@ -113,13 +127,16 @@ def test_with_compiled_blocks_the_calibration_prices_modes_on_the_compiled_graph
         calibration.begin_step()
         before = counting.forward_calls
         with meter.step(exact=calibration.exact_step, eager=True) as box:
-            model(idx, idx)[1].backward()
+            with autocast:  # Lightning's bf16-mixed: autocast around the forward, weight cache off
+                loss = model(idx, idx)[1]
+            loss.backward()
         assert counting.forward_calls == before  # the bytes steps run eagerly (block hooks see them)
         last_stage = len(calibration.stages) - 1 == calibration.stage
         calls = counting.forward_calls, counting.backward_calls
         calibration.end_step(int(box.reading.activations))
     # the last end_step timed one block per class, compiled: 3 modes x (1 untimed + 2 timed) forward and backward
     assert last_stage and counting.forward_calls - calls[0] == 9 and counting.backward_calls - calls[1] == 9
+    assert timed_under == [(torch.bfloat16, False) if precision == "bf16-mixed" else None]  # the step's autocast
     assert set(calibration.block_seconds) == {"Block"}
     assert set(calibration.block_seconds["Block"]) == {"recompute", "selective"}
     costs = calibration.costs()
