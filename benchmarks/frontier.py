@@ -323,15 +323,13 @@ def run_case(model_name: str, precision: str, args) -> Dict[str, Any]:
         ours_s = statistics.median(times[name])
         best_s = statistics.median(times[best]) if best else None
         # paired: ours over the anchor within each round, then the median (a slow drift of the machine cancels)
-        paired = [o / a for o, a in zip(times[name], times[best])] if best else []
-        ratio = statistics.median(paired) if paired else None
+        ratio, *ratio_range = _paired(times[name], times[best]) if best else (None,)
         fits = peaks[name] <= budget
-        verdict = ("MISS (over budget)" if not fits else "—" if ratio is None else
-                   "PASS" if ratio <= 1.0 else "TIE" if ratio <= TIE else "MISS")
+        verdict = "MISS (over budget)" if not fits else "—" if ratio is None else _verdict(ratio)
         rows.append(dict(budget=budget, modes=list(ours[budget][0]), peak=peaks[name], fits=fits, step_s=ours_s,
                          step_range=[min(times[name]), max(times[name])], best_anchor=best, best_anchor_s=best_s,
                          best_anchor_range=[min(times[best]), max(times[best])] if best else None, ratio=ratio,
-                         ratio_range=[min(paired), max(paired)] if paired else None,
+                         ratio_range=ratio_range or None,
                          verdict=verdict))
     result = dict(model=model_name, precision=precision, blocks=L, seq_len=seq, micro_batch=args.micro_batch,
                   rounds=args.rounds, budgets=budgets, rows=rows,
