@@ -8,6 +8,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_ckpt.demos import GPTLightningModule
+
 VOCAB = 16
 SEQ = 8
 
@@ -243,6 +245,43 @@ class DumpState(Callback):
                 "calls": self.calls.records["train"],
                 "world_size": trainer.world_size,
                 "strategy": type(trainer.strategy).__name__,
+            },
+            f"{self.out_dir}/rank{trainer.global_rank}.pt",
+        )
+
+
+class BlockCompiledGPT(GPTLightningModule):
+    """The demo GPT with each block compiled in ``configure_model`` (``block.compile()``, the torchtitan / FSDP2
+    way). ``backend="aot_eager"``: AOTAutograd and its partitioner without code generation (seconds, not minutes)."""
+
+    def __init__(self, backend: str = "aot_eager", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+
+    def configure_model(self) -> None:
+        for block in self.model.transformer.h:
+            block.compile(backend=self.backend)
+
+
+class DumpBudget(Callback):
+    """Writes each rank's parameters, modes and budget calibration (stages, block prices) to ``out_dir/rank{r}.pt``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        from lightning_ckpt import ActivationCheckpointing
+
+        (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
+        calibration = cb.calibration
+        torch.save(
+            {
+                "params": params_of(pl_module),
+                "modes": list(cb.plan.modes),
+                "stages": len(calibration.stages),
+                "done": calibration.done,
+                "block_seconds": calibration.block_seconds,
+                "world_size": trainer.world_size,
             },
             f"{self.out_dir}/rank{trainer.global_rank}.pt",
         )

@@ -8,9 +8,11 @@ from unittest import mock
 import pytest
 import torch
 from _lightning_models import (
+    BlockCompiledGPT,
     CallRecorder,
     CleanDistributedExit,
     CountingBlock,
+    DumpBudget,
     DumpState,
     TinyTransformer,
     params_of,
@@ -20,6 +22,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_ckpt.core.wrap import get_plan
 from lightning_ckpt.lightning.callback import ActivationCheckpointing
@@ -98,6 +101,41 @@ def test_callback_under_ddp_spawn_with_unused_parameters(tmp_path):
     assert ranks[0]["strategy"] == "DDPStrategy"
     reference = _single_process_reference(tmp_path, unused_param=True)
     _check_ranks(ranks, reference, ["recompute", "off", "recompute", "off"], [2, 1, 2, 1])
+
+
+def _budget_fit(tmp_path, devices: int, steps: int, accumulate: int, callbacks=()) -> list:
+    """The demo GPT, blocks compiled (aot_eager), ``steps`` optimizer steps of ``accumulate`` micro-batches; every
+    rank sees the same batch, so two ranks' averaged gradient equals one process's."""
+    seed_everything(0)
+    model = BlockCompiledGPT(n_layer=2, n_embd=32, n_head=2, block_size=32, dropout=0.0)
+    loader = DataLoader([model.example_batch(2, 32)] * (steps * accumulate), batch_size=None)
+    strategy = DDPStrategy(start_method="spawn") if devices > 1 else "auto"
+    trainer = Trainer(callbacks=[*callbacks, CleanDistributedExit()], **trainer_kwargs(
+        tmp_path, devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
+        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False))
+    trainer.fit(model, train_dataloaders=loader)
+    return params_of(model)
+
+
+@pytest.mark.slow
+@needs_spawn
+def test_budget_prices_compiled_blocks_under_ddp_with_accumulation(tmp_path):
+    """With blocks compiled, the budget times one block alone outside the training step (gradients w.r.t. its
+    inputs only): under DDP with gradient accumulation that must not fire DDP's reducer (a second "mark ready" fails
+    the next step; a timing gradient in the average moves the weights). Both ranks calibrate (5 bytes steps,
+    compiled block prices) and train to the same weights as one process without checkpointing."""
+    steps, out = 8, tmp_path / "ranks"
+    out.mkdir()
+    reference = _budget_fit(tmp_path / "ref", devices=1, steps=steps, accumulate=2)
+    cb = ActivationCheckpointing(policy="budget:200KiB")
+    _budget_fit(tmp_path, devices=2, steps=steps, accumulate=2, callbacks=[cb, DumpBudget(str(out))])
+    ranks = _ranks(out)
+    for rank in ranks:
+        assert rank["world_size"] == 2 and rank["done"] and rank["stages"] == 5, rank
+        assert set(rank["block_seconds"]["Block"]) == {"recompute", "selective"}
+        assert any(mode != "off" for mode in rank["modes"])  # the budget is below none's peak
+        torch.testing.assert_close(rank["params"], reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------------ FSDP
