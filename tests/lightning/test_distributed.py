@@ -103,7 +103,7 @@ def test_callback_under_ddp_spawn_with_unused_parameters(tmp_path):
     _check_ranks(ranks, reference, ["recompute", "off", "recompute", "off"], [2, 1, 2, 1])
 
 
-def _budget_fit(tmp_path, devices: int, steps: int, accumulate: int, callbacks=()) -> list:
+def _budget_fit(tmp_path, devices: int, steps: int, accumulate: int, callbacks=()) -> dict:
     """The demo GPT, blocks compiled (aot_eager), ``steps`` optimizer steps of ``accumulate`` micro-batches; every
     rank sees the same batch, so two ranks' averaged gradient equals one process's."""
     seed_everything(0)
