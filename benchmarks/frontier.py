@@ -334,9 +334,11 @@ def run_case(model_name: str, precision: str, args) -> Dict[str, Any]:
                   rounds=args.rounds, budgets=budgets, rows=rows,
                   anchors={a: dict(peak=peaks[a], step_s=statistics.median(times[a]),
                                    step_range=[min(times[a]), max(times[a])]) for a in anchors})
+    eager_ends = eager_allocator_ends(bench) if args.compile else None
     for grain in args.compile:
         with torch._dynamo.config.patch(recompile_limit=64):  # each variant and lowered fraction is a graph
-            result.setdefault("compiled", []).extend(compiled_rows(bench, budgets, peaks["none"], args, grain))
+            result.setdefault("compiled", []).extend(
+                compiled_rows(bench, budgets, peaks["none"], eager_ends, args, grain))
     return result
 
 
@@ -427,7 +429,20 @@ def compiled_ends(bench: Bench, grain: str) -> Dict[str, int]:
         compiled.close()
 
 
-def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, args, grain: str) -> List[Dict[str, Any]]:
+def eager_allocator_ends(bench: Bench) -> Dict[str, int]:
+    """``all``'s and ``none``'s allocator peaks run eagerly: the ends the compiled rows' budgets are spaced between
+    (eager, like the plans' MemTracker peaks: MemTracker sees eager operators only). Measured once per case."""
+    ends = {}
+    for spec in ("all", "none"):
+        apply_policy(bench.module, spec)
+        gc.collect()
+        ends[spec] = allocation_peaks(bench.fwd_bwd, list(bench.module.parameters()))[1]
+        remove_checkpointing(bench.module)
+    return ends
+
+
+def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, eager_ends: Dict[str, int], args,
+                  grain: str) -> List[Dict[str, Any]]:
     """The compiler's activation memory budget at ``budget / none's peak`` against our plan, both compiled at one
     grain (:class:`CompiledGrain`). Our plan comes from the plugin's calibration run on the compiled model as the
     callback runs it: bytes steps eagerly, block times compiled (``block_caller``).
@@ -447,12 +462,6 @@ def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, args, gr
         _, calibration, measured = our_costs(bench, compiled.block_caller())
     finally:
         compiled.close()
-    eager_ends = {}  # like the plans' MemTracker peaks (MemTracker sees eager operators only)
-    for spec in ("all", "none"):
-        apply_policy(bench.module, spec)
-        gc.collect()
-        eager_ends[spec] = allocation_peaks(bench.fwd_bwd, params)[1]
-        remove_checkpointing(bench.module)
     ends = compiled_ends(bench, grain)
     ours = fit_plans(bench, budgets, calibration.costs(), calibration.base, measured)
     rows = []
