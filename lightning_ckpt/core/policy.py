@@ -19,6 +19,12 @@ Grammar (``parse_policy``):
 ``offload``                  keep saved activations in host memory instead of recomputing them
 ``budget:18GiB``             reserved: the cheapest plan whose measured activation peak fits (needs measurement)
 ===========================  ==================================================================================
+
+Per-block modes (:data:`MODES`, and ``modes:off,recompute,compiler:0.5,...``) also include
+``compiler:<fraction>``: no checkpoint wrapper; the block's compiled graph runs under
+``torch.autograd.graph.region_activation_memory_budget(fraction)``, so the compiler's min-cut partitioner chooses
+per operator what the block keeps (``0.0``: as little as a full recompute, ``1.0``: as ``off``). It needs the block
+compiled as its own graph (``block.compile()``); run eagerly the block runs as ``off``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Callable, ClassVar, Dict, List, Sequence, Tuple, Type, Union
 from lightning_ckpt.core.units import parse_size_or_fraction
 
 __all__ = [
+    "COMPILER_MODE",
     "GRAMMAR",
     "MODES",
     "SELECTIVE_ALIASES",
@@ -45,12 +52,33 @@ __all__ = [
     "OffloadPolicy",
     "Policy",
     "SelectivePolicy",
+    "compiler_fraction",
+    "is_mode",
     "parse_policy",
     "parse_policy_list",
 ]
 
 MODES = ("off", "recompute", "selective", "offload")
 """Per-block modes. ``off`` runs the plain forward; the other three are switchable at run time."""
+
+COMPILER_MODE = "compiler"
+"""The family of per-block modes ``compiler:<fraction>`` (see the module docstring)."""
+
+
+def compiler_fraction(mode: str) -> Union[float, None]:
+    """The fraction of a ``compiler:<fraction>`` mode (``None`` for any other string or a malformed fraction)."""
+    if not isinstance(mode, str) or not mode.startswith(COMPILER_MODE + ":"):
+        return None
+    try:
+        fraction = float(mode[len(COMPILER_MODE) + 1:])
+    except ValueError:
+        return None
+    return fraction if 0.0 <= fraction <= 1.0 else None
+
+
+def is_mode(mode: str) -> bool:
+    """Whether ``mode`` is a per-block mode: one of :data:`MODES` or ``compiler:<fraction in [0, 1]>``."""
+    return mode in MODES or compiler_fraction(mode) is not None
 
 GRAMMAR = (
     "none | all | every:N | first:K | blocks:0-5,9 | group:K | group:sqrt | selective | "
@@ -296,9 +324,10 @@ class ModesPolicy(Policy):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modes", tuple(self.modes))
-        bad = sorted({m for m in self.modes if m not in MODES})
+        bad = sorted({m for m in self.modes if not is_mode(m)})
         if bad:
-            raise ValueError(f"unknown block modes {bad}; valid modes are {list(MODES)}.")
+            raise ValueError(f"unknown block modes {bad}; valid modes are {list(MODES)} and "
+                             f"'{COMPILER_MODE}:<fraction in [0, 1]>' (e.g. '{COMPILER_MODE}:0.5').")
         if "selective" in self.modes and not self.save_ops:
             object.__setattr__(self, "save_ops", SelectivePolicy().aten_ops())
 

@@ -14,6 +14,10 @@ Modes (per block, changeable at any time through :class:`CheckpointPlan`):
   save list (matmuls and attention by default) and recomputing the rest.
 - ``offload``: no recompute; tensors saved for backward move to (pinned) host memory and come back in
   backward. Tensors already on the CPU stay where they are, so on a CPU-only machine this mode is a no-op.
+- ``compiler:<fraction>``: no checkpoint; under ``torch.compile`` the block's forward is annotated with
+  ``torch.autograd.graph.region_activation_memory_budget(fraction)`` and the compiler's partitioner chooses what the
+  block's graph keeps and recomputes. PyTorch applies one budget per compiled graph, covering all of it, so the
+  block must be its own graph (``block.compile()``); run eagerly (or with ``force_eager``) it is ``off``.
 
 ``group:K`` policies make K consecutive ``recompute`` blocks one region (:mod:`lightning_ckpt.core.regions`).
 
@@ -38,7 +42,7 @@ import torch.utils.checkpoint as _cp
 from torch import nn
 
 from lightning_ckpt.core.blocks import BlockSelector, describe_blocks, find_blocks
-from lightning_ckpt.core.policy import MODES, Layout, ModesPolicy, Policy, parse_policy
+from lightning_ckpt.core.policy import COMPILER_MODE, MODES, Layout, ModesPolicy, Policy, parse_policy
 from lightning_ckpt.core.regions import GroupRegion
 from lightning_ckpt.core.replay import observed, replay_hooks_active
 
@@ -99,6 +103,7 @@ class _Shared:
         return kwargs
 
 
+_COMPILER_PREFIX = COMPILER_MODE + ":"
 _SAC_RESPECTS_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_cp.checkpoint).parameters
 _RESERVED_KWARGS = frozenset(inspect.signature(_cp.checkpoint).parameters) - {"args", "kwargs"}
 
@@ -133,6 +138,12 @@ class _BlockForward:
             return self.run(*args, **kwargs)
         if self.region is not None:
             return self.region.call(self, args, kwargs)
+        if mode.startswith(_COMPILER_PREFIX):
+            if not torch.compiler.is_compiling():  # the annotation only exists for the compiler
+                return self.run(*args, **kwargs)
+            # the fraction is parsed from the mode string, a constant to dynamo (a float attribute would be a symbol)
+            with torch.autograd.graph.region_activation_memory_budget(float(mode[len(_COMPILER_PREFIX):])):
+                return self.run(*args, **kwargs)
         if mode == "offload":
             if _on_cpu(args, kwargs):  # already in host memory: nothing to move, no hooks to pay for
                 return self.run(*args, **kwargs)

@@ -14,6 +14,11 @@ backward is ``torch.autograd.grad`` with respect to the block's floating-point i
 touched (gradient accumulation and DDP's gradient hooks never see these calls) and the replay, which is what
 differs between modes, runs in full. The random-number state is forked, so dropout in the training steps draws
 what it would have drawn without the timing.
+
+:func:`saved_block_bytes` measures what the block's compiled graph keeps for backward in each mode, the same way
+(alone, its captured input): the ``compiler:<fraction>`` modes exist only inside a compiled graph, so an eager bytes
+step cannot see what they keep. An outer ``saved_tensors_hooks`` sees the tensors a compiled graph saves (AOTAutograd
+packs them through the hooks at run time), counted once per storage, the parameters and the block's inputs left out.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["BlockInput", "capture_block_input", "time_block_modes"]
+__all__ = ["BlockInput", "capture_block_input", "saved_block_bytes", "time_block_modes"]
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,10 @@ def capture_block_input(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> BlockI
     return BlockInput(copy[0], copy[1], device_type, autocast)
 
 
-def _forward_backward(call: Callable, block_input: BlockInput) -> None:
+def _forward_backward(call: Callable, block_input: BlockInput, pack: Optional[Callable] = None) -> None:
     args, kwargs = block_input.fresh()
-    with block_input.context():
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if pack else contextlib.nullcontext()
+    with block_input.context(), hooks:
         out = call(*args, **kwargs)
     outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -114,3 +120,42 @@ def time_block_modes(call: Callable, set_mode: Callable[[str], None], block_inpu
     finally:
         set_mode("off")
     return {m: max(statistics.median(t - off for t, off in zip(times[m], times["off"])), 0.0) for m in order[1:]}
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def saved_block_bytes(call: Callable, set_mode: Callable[[str], None], block_input: BlockInput,
+                      modes: Sequence[str], exclude: Sequence[torch.Tensor] = ()) -> Dict[str, int]:
+    """Bytes the block keeps for backward in each of ``modes``, run alone as training runs it (module docstring).
+
+    Args:
+        call, set_mode, block_input: as for :func:`time_block_modes` (``set_mode`` is left at ``off``).
+        modes: the modes to measure (``off`` included if wanted).
+        exclude: tensors whose storages are not counted (the block's parameters).
+
+    Returns:
+        ``{mode: bytes}``: distinct storages saved during the forward, less ``exclude`` and the block's inputs.
+    """
+    inputs = [t for t in tree_flatten((block_input.args, block_input.kwargs))[0] if isinstance(t, torch.Tensor)]
+    skip = {t.untyped_storage().data_ptr() for t in (*exclude, *inputs)}  # fresh() leaves share these storages
+    devices = [torch.cuda.current_device()] if block_input.device_type == "cuda" else []
+    out: Dict[str, int] = {}
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            for mode in modes:
+                set_mode(mode)
+                seen: Dict[int, int] = {}
+
+                def pack(tensor: torch.Tensor, seen=seen) -> torch.Tensor:
+                    storage = tensor.untyped_storage()
+                    if storage.data_ptr() not in skip:
+                        seen[storage.data_ptr()] = storage.nbytes()
+                    return tensor
+
+                _forward_backward(call, block_input, pack)
+                out[mode] = sum(seen.values())
+    finally:
+        set_mode("off")
+    return out

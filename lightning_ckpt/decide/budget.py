@@ -10,7 +10,14 @@ mode            kept for backward (``kept``)            live while its backward 
 ``selective``   its input + the saved ops' outputs      input + interior (the rest is recomputed)    the replay
 ``recompute``   its input (the boundary)                input + interior (the replay transient)      the replay
 ``offload``     nothing on the device (CUDA only)       interior (brought back for its backward)     the copies
+``compiler:f``  input + f of the compiled interior       input + interior (at most a full replay)     measured
 ==============  ======================================  ===========================================  ==============
+
+``compiler:<f>`` (the family ``compiler`` in ``modes``) is offered when the blocks are compiled one by one: the
+block's graph runs under the compiler's activation memory budget ``f`` and the partitioner chooses per operator what
+to keep (:mod:`lightning_ckpt.core.wrap`). What it keeps is measured on the compiled block alone
+(:func:`~lightning_ckpt.decide.block_timing.saved_block_bytes`) and carried into the eager figures every other mode
+is measured in as the same share of the block's interior: ``boundary + interior × kept_f / kept_off`` (compiled).
 
 ``base`` is the activation memory outside the blocks: ``(forward, backward)`` — at the end of the forward the
 logits and the loss are alive, in backward they are gone (an ``int`` is both).
@@ -28,12 +35,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from lightning_ckpt.core.policy import COMPILER_MODE, compiler_fraction
 from lightning_ckpt.core.units import format_bytes
 
-__all__ = ["SOLVER_MODES", "BlockCost", "BudgetCalibration", "BudgetPlan", "ModeCost", "plan_budget", "predict_peak",
-           "smallest_budget"]
+__all__ = ["COMPILER_FRACTIONS", "SOLVER_MODES", "BlockCost", "BudgetCalibration", "BudgetPlan", "ModeCost",
+           "plan_budget", "predict_peak", "smallest_budget"]
 
-SOLVER_MODES = ("off", "selective", "recompute", "offload")
+SOLVER_MODES = ("off", "selective", "recompute", "offload", COMPILER_MODE)
+COMPILER_FRACTIONS = (0.0, 0.25, 0.5, 0.75)
+"""The compiler budgets offered per block when the blocks are compiled one by one: with ``off``, ``recompute`` and
+``selective`` that is 7 graphs per block class, under dynamo's default ``recompile_limit`` of 8."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,8 @@ class ModeCost:
 class BlockCost:
     """A block's measured costs. ``interior``: bytes it keeps un-checkpointed; ``boundary``: its input;
     ``recompute_s``: one replay. ``selective_kept`` / ``selective_s``: bytes kept and replay time under op-level
-    selective checkpointing; ``offload_s``: the copies' time under offload (``None``: that mode is unavailable)."""
+    selective checkpointing; ``offload_s``: the copies' time under offload (``None``: that mode is unavailable);
+    ``compiler``: ``(mode, kept, seconds)`` of each ``compiler:<f>`` mode measured (kept in eager units)."""
 
     interior: int
     boundary: int
@@ -60,6 +72,7 @@ class BlockCost:
     offload_s: Optional[float] = None
     recompute_replay: Optional[int] = None
     selective_replay: Optional[int] = None
+    compiler: Tuple[Tuple[str, int, float], ...] = ()
 
     def options(self, modes: Sequence[str] = SOLVER_MODES) -> List[ModeCost]:
         """The modes this block can run in, among ``modes`` (``off`` always). A replay's live bytes are the
@@ -75,6 +88,9 @@ class BlockCost:
             out.append(ModeCost("recompute", self.boundary, replay, self.recompute_s))
         if "offload" in modes and self.offload_s is not None:
             out.append(ModeCost("offload", 0, self.interior, self.offload_s))
+        if COMPILER_MODE in modes:  # its backward recomputes at most what a full replay would
+            replay = self.boundary + self.recompute_replay if self.recompute_replay is not None else full
+            out.extend(ModeCost(mode, kept, max(kept, replay), seconds) for mode, kept, seconds in self.compiler)
         return out
 
     def option(self, mode: str) -> ModeCost:
@@ -90,7 +106,7 @@ class BudgetPlan:
     """The chosen plan and what it predicts.
 
     Attributes:
-        modes: one of :data:`SOLVER_MODES` per block.
+        modes: one mode per block: ``off``, ``selective``, ``recompute``, ``offload`` or ``compiler:<f>``.
         predicted_peak: bytes, under the peak model above.
         recompute_s: total time the plan adds per step (replays and copies).
         fits: whether ``predicted_peak <= budget``.
@@ -109,7 +125,7 @@ class BudgetPlan:
 
     def describe(self) -> str:
         chosen = [i for i, m in enumerate(self.modes) if m != "off"]
-        counts = {m: self.modes.count(m) for m in SOLVER_MODES if m != "off" and m in self.modes}
+        counts = {m: self.modes.count(m) for m in sorted(set(self.modes) - {"off"}, key=self.modes.index)}
         mix = ", ".join(f"{n} {m}" for m, n in counts.items()) or "nothing"
         text = (f"budget {format_bytes(self.budget)}: {mix} of {len(self.modes)} blocks {chosen}, predicted "
                 f"activation peak {format_bytes(self.predicted_peak)}, added time {self.recompute_s * 1e3:.1f} ms/step")
@@ -125,10 +141,10 @@ class BudgetPlan:
 
     def summary(self) -> str:
         """Per block: the mode chosen, what it saves against ``off`` and what it costs."""
-        header = f"  {'block':<6}{'mode':<11}{'kept':>12}{'saves':>12}{'replay peak':>13}{'adds ms':>9}"
+        header = f"  {'block':<6}{'mode':<14}{'kept':>12}{'saves':>12}{'replay peak':>13}{'adds ms':>9}"
         rows = [self.describe(), header]
         for i, (chosen, off) in enumerate(self.choices):
-            rows.append(f"  {i:<6}{chosen.mode:<11}{format_bytes(chosen.kept):>12}"
+            rows.append(f"  {i:<6}{chosen.mode:<14}{format_bytes(chosen.kept):>12}"
                         f"{format_bytes(off.kept - chosen.kept):>12}{format_bytes(chosen.replay):>13}"
                         f"{chosen.seconds * 1e3:>9.2f}")
         return "\n".join(rows)
@@ -267,17 +283,26 @@ class BudgetCalibration:
             (the block itself when compiled with ``block.compile()``; ``torch.compile(block)`` when the whole model
             is one compiled graph). Given, the time costs come from timing blocks on their own (step 1).
         repeats: timed rounds per block class with ``block_caller``.
+        compiler_fractions: offer ``compiler:<f>`` for each of these fractions (blocks compiled one by one only:
+            ``block_caller`` must be given and the whole model must not be one graph). Their time and what they
+            keep are measured on the compiled block alone; an eager step runs them as ``off``, so a caller checking
+            the plan with an eager figure subtracts their measured savings (:meth:`compiled_savings`) first, as the
+            callback does.
     """
 
     def __init__(self, plan, meter, budget: int, synchronize=None, apply=None,
-                 modes: Sequence[str] = ("recompute", "selective"), block_caller=None, repeats: int = 5) -> None:
+                 modes: Sequence[str] = ("recompute", "selective"), block_caller=None, repeats: int = 5,
+                 compiler_fractions: Sequence[float] = ()) -> None:
         self.plan, self.meter, self.budget = plan, meter, budget
         self.synchronize = synchronize or (lambda: None)
         self.apply = apply or plan.set_modes
         self.modes = tuple(m for m in modes if m != "off")
-        bad = [m for m in self.modes if m not in SOLVER_MODES]
+        bad = [m for m in self.modes if m not in SOLVER_MODES or m == COMPILER_MODE]
         if bad:
-            raise ValueError(f"budget modes {bad} are not solver modes; choose among {list(SOLVER_MODES)}.")
+            raise ValueError(f"budget modes {bad} are not calibrated modes; choose among "
+                             f"{[m for m in SOLVER_MODES if m != COMPILER_MODE]} (the compiler's budgets come with "
+                             "compiler_fractions).")
+        self.compiler_modes = _compiler_modes(compiler_fractions, block_caller)
         # every block recomputed first: its peak is a replay in backward, which tells the backward base apart
         self.block_caller, self.repeats = block_caller, repeats
         kinds = ("bytes",) if block_caller is not None else ("bytes", "time")
@@ -301,6 +326,7 @@ class BudgetCalibration:
         self.measured_plans: Dict[Tuple[str, ...], int] = {}  # plans run during calibration: their measured peak
         self._inputs: Dict[int, object] = {}  # block_caller: the timed block of each class -> its captured input
         self.block_seconds: Dict[str, Dict[str, float]] = {}  # block_caller: class -> mode -> seconds added
+        self.compiled_kept: Dict[str, Dict[str, int]] = {}  # compiler modes: class -> mode -> bytes kept compiled
         self._calibration_peaks: List[int] = []
 
     @property
@@ -332,7 +358,8 @@ class BudgetCalibration:
                 self._install()
 
     def end_step(self, activations: int) -> None:
-        """After the optimizer step, with the step's measured activation peak (bytes)."""
+        """After the optimizer step, with the step's measured activation peak (bytes). With ``compiler:<f>`` blocks
+        in the plan, the figure of the plan as it runs compiled: an eager figure less :meth:`compiled_savings`."""
         if self.calibrating:
             if self.stages[self.stage][2] == "bytes":
                 self._calibration_peaks.append(activations)
@@ -352,14 +379,23 @@ class BudgetCalibration:
             self.measured = activations
             self.messages.append(f"budget plan: predicted {self.chosen.predicted_peak / 2**20:.1f} MiB, measured "
                                  f"{activations / 2**20:.1f} MiB")
-            if activations > self.budget and self.chosen.fits:
-                self._choose(self.budget - (activations - self.chosen.predicted_peak))
+            if self.measured > self.budget and self.chosen.fits:
+                self._choose(self.budget - (self.measured - self.chosen.predicted_peak))
                 self.messages.append("budget plan corrected once: the measured peak exceeded the budget")
             self.stage += 1
 
     def _stage_modes(self, stage: int) -> List[str]:
         mode, parity, _ = self.stages[stage]
         return [mode if parity == "all" or i % 2 == parity else "off" for i in range(self.plan.num_blocks)]
+
+    def compiled_savings(self, modes: Sequence[str]) -> int:
+        """Bytes a plan's ``compiler:<f>`` blocks save compiled against the same plan run eagerly (where they are
+        ``off``), under the peak model: what to subtract from an eager reference step's figure (0 without them)."""
+        if not any(compiler_fraction(m) is not None for m in modes):
+            return 0
+        costs = self.costs()
+        eager = [("off" if compiler_fraction(m) is not None else m) for m in modes]
+        return max(predict_peak(costs, eager, self._base) - predict_peak(costs, modes, self._base), 0)
 
     def _fit_base(self, plans: Sequence[Sequence[str]], peaks: Sequence[int]) -> Tuple[int, int]:
         """What the blocks do not explain, from the calibration steps: the forward base from the steps whose
@@ -392,8 +428,17 @@ class BudgetCalibration:
                 selective_s=self._mode_seconds("selective", i, off) if selective_kept is not None else None,
                 offload_s=self._mode_seconds("offload", i, off),
                 recompute_replay=self.replay_bytes["recompute"][i] if "recompute" in self.modes else None,
-                selective_replay=self.replay_bytes["selective"][i] if "selective" in self.modes else None))
+                selective_replay=self.replay_bytes["selective"][i] if "selective" in self.modes else None,
+                compiler=self._compiler_costs(i)))
         return out
+
+    def _compiler_costs(self, i: int) -> Tuple[Tuple[str, int, float], ...]:
+        """Block ``i``'s ``compiler:<f>`` options: its interior scaled by the compiled graph's kept share."""
+        name = type(self.plan.blocks[i]).__name__
+        kept, seconds = self.compiled_kept.get(name, {}), self.block_seconds.get(name, {})
+        off = kept.get("off", 0)
+        return tuple((mode, self.boundary[i] + (round(self.interior[i] * kept[mode] / off) if off else 0),
+                      seconds[mode]) for mode in self.compiler_modes if mode in kept and mode in seconds)
 
     def _shared(self, values_by_block: Sequence[Sequence[float]], i: int) -> Optional[float]:
         """The median of the values measured on every block of block ``i``'s class."""
@@ -415,7 +460,8 @@ class BudgetCalibration:
         return max((forward if forward is not None else off) - off, 0.0) + replay
 
     def _choose(self, budget: int) -> None:
-        self.chosen = plan_budget(self.costs(), max(budget, 0), base=self._base, modes=("off", *self.modes),
+        modes = ("off", *self.modes, *[COMPILER_MODE] * bool(self.compiler_modes))
+        self.chosen = plan_budget(self.costs(), max(budget, 0), base=self._base, modes=modes,
                                   measured=self.measured_plans)
         self.apply(self.chosen.modes)
         self.plan.annotate(self.chosen.notes())
@@ -451,7 +497,7 @@ class BudgetCalibration:
 
     def _time_blocks(self) -> None:
         """Price each mode on one block per class, run alone as training runs it (the blocks are compiled)."""
-        from lightning_ckpt.decide.block_timing import time_block_modes
+        from lightning_ckpt.decide.block_timing import saved_block_bytes, time_block_modes
 
         n = self.plan.num_blocks
         for index, block_input in self._inputs.items():
@@ -459,10 +505,14 @@ class BudgetCalibration:
             def set_mode(mode: str, index: int = index) -> None:
                 self.apply([mode if i == index else "off" for i in range(n)])
 
-            block = self.plan.blocks[index]
-            seconds = time_block_modes(self.block_caller(block), set_mode, block_input, self.modes, self.repeats,
-                                       self.synchronize)
-            self.block_seconds[type(block).__name__] = seconds
+            block, modes = self.plan.blocks[index], (*self.modes, *self.compiler_modes)
+            call = self.block_caller(block)
+            name = type(block).__name__
+            self.block_seconds[name] = time_block_modes(call, set_mode, block_input, modes, self.repeats,
+                                                        self.synchronize)
+            if self.compiler_modes:
+                self.compiled_kept[name] = saved_block_bytes(call, set_mode, block_input,
+                                                             ("off", *self.compiler_modes), list(block.parameters()))
         self._inputs.clear()
 
     def close(self) -> None:
@@ -545,3 +595,18 @@ class BudgetCalibration:
         finally:
             self.synchronize()
             self.mode_seconds[mode][index].append(time.perf_counter() - t0)
+
+
+def _compiler_modes(fractions: Sequence[float], block_caller) -> Tuple[str, ...]:
+    """``compiler:<f>`` mode names for ``fractions``, refused without compiled blocks or outside [0, 1]."""
+    if not fractions:
+        return ()
+    if block_caller is None:
+        raise ValueError(f"compiler_fractions={list(fractions)} needs blocks that run compiled one by one "
+                         "(block.compile()); pass block_caller, or leave compiler_fractions empty.")
+    modes = tuple(f"{COMPILER_MODE}:{float(f):g}" for f in fractions)
+    bad = [f for f, m in zip(fractions, modes) if compiler_fraction(m) is None]
+    if bad:
+        raise ValueError(f"compiler_fractions {bad} are outside [0, 1]; the compiler's budget is a fraction of what "
+                         "the block keeps un-checkpointed, e.g. (0.0, 0.25, 0.5, 0.75).")
+    return modes

@@ -5,9 +5,10 @@ A block's strength, from keeping the most to the least activation memory on the 
 
 =============  ====  =============================================================================================
 ``off``        0     everything saved
-``selective``  1     matmul/attention outputs saved, the rest recomputed
+``selective``  1     matmul/attention outputs saved, the rest recomputed (``compiler:<f>`` with f > 0 too: the
+                     compiler keeps a share of the block's activations)
 group region   2     only the region's input saved, but K blocks replayed at once (a K-fold replay transient)
-``recompute``  3     only the block's input saved, one block replayed at a time
+``recompute``  3     only the block's input saved, one block replayed at a time (``compiler:0`` too)
 ``offload``    4     nothing on the device (its saves live in host memory) — on an accelerator; on the CPU it
                      is the same as ``off``
 =============  ====  =============================================================================================
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence, Tuple
 
-from lightning_ckpt.core.policy import Layout, parse_policy
+from lightning_ckpt.core.policy import Layout, compiler_fraction, parse_policy
 
 __all__ = ["block_strength", "next_rung", "stronger", "stronger_rungs"]
 
@@ -38,6 +39,8 @@ def block_strength(layout: Layout, accelerator: bool) -> Tuple[int, ...]:
             strengths.append(0)
         elif i in grouped and mode == "recompute":
             strengths.append(_GROUPED)
+        elif compiler_fraction(mode) is not None:
+            strengths.append(_STRENGTH["recompute" if compiler_fraction(mode) == 0 else "selective"])
         else:
             strengths.append(_STRENGTH[mode])
     return tuple(strengths)

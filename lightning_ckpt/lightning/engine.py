@@ -13,6 +13,7 @@ Every change of plan (auto-toggle, budget, escalation, resume) goes through :met
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -21,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Seque
 import torch
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt.core.policy import Policy, parse_policy
+from lightning_ckpt.core.policy import MODES, Policy, compiler_fraction, parse_policy
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.units import GiB
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
-from lightning_ckpt.decide.budget import BudgetCalibration
+from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration
 from lightning_ckpt.decide.controller import Controller, resolve_threshold
 from lightning_ckpt.decide.diagnosis import PhaseTracker
 from lightning_ckpt.decide.report import ledger_report, length_reading, report_text
@@ -215,13 +216,17 @@ class CheckpointingEngine:
             sync = torch.cuda.synchronize if device.type == "cuda" else None
             # offload is a mode only where host memory is not the device's own memory
             modes = ("recompute", "selective", "offload") if device.type == "cuda" else ("recompute", "selective")
+            caller = compiled_block_caller(pl_module, self.plan.blocks)
+            one_graph = blocks_in_one_compiled_graph(pl_module, self.plan.blocks)
+            # the compiler's budget is one per graph: a block's own only when it is compiled as its own graph
+            fractions = COMPILER_FRACTIONS if caller is not None and not one_graph else ()
             self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
-                                                 modes=modes,
-                                                 block_caller=compiled_block_caller(pl_module, self.plan.blocks))
-            if blocks_in_one_compiled_graph(pl_module, self.plan.blocks):
+                                                 modes=modes, block_caller=caller, compiler_fractions=fractions)
+            if one_graph:
                 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
                 rank_zero_warn(WHOLE_MODEL_COMPILE_BUDGET.format(spec=self.policy.spec))
+        self._check_compiler_modes(pl_module)
         if s.measure and not trainer.loggers and not self._warned_no_logger:
             self._warned_no_logger = True
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -234,6 +239,23 @@ class CheckpointingEngine:
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
                     logger.experiment.add_custom_scalars(tensorboard_layout(s.prefix))
+
+    def _check_compiler_modes(self, pl_module: "pl.LightningModule") -> None:
+        """``compiler:<f>`` blocks in a fixed plan: refused inside one whole-model graph (PyTorch takes one budget
+        per graph, covering all of it, and fails at the first compile); a warning when the blocks run eagerly."""
+        modes = sorted({m for m in self.plan.modes if compiler_fraction(m) is not None})
+        if not modes:
+            return
+        if blocks_in_one_compiled_graph(pl_module, self.plan.blocks):
+            raise ValueError(
+                f"policy {self.policy.spec!r} puts blocks in modes {modes}, but the whole model is one compiled graph, "
+                "where PyTorch applies one activation memory budget covering the whole graph. Compile block by block "
+                "(for block in blocks: block.compile()) instead of torch.compile(model), or use the modes "
+                f"{[m for m in MODES if m != 'offload']} with a whole-model compile.")
+        if compiled_block_caller(pl_module, self.plan.blocks) is None:
+            warnings.warn(f"lightning_ckpt: policy {self.policy.spec!r} uses {modes}, which act only on blocks "
+                          "compiled one by one (block.compile()); these blocks run eagerly, so they run as 'off'.",
+                          RuntimeWarning, stacklevel=2)
 
     def _reachable_policies(self) -> list:
         """The policies this run may apply: the starting one, and the ladder when the plan can change."""
@@ -280,7 +302,8 @@ class CheckpointingEngine:
             self.monitor.begin_step(measure=measured, key=self._step_key(trainer, batch) if measured else None,
                                     eager=calibrating, tokens=self._logging,
                                     state=_step_tensors(pl_module, trainer.optimizers, batch),
-                                    exact=self.calibration.exact_step if calibrating else None)
+                                    exact=self.calibration.exact_step if calibrating else None,
+                                    hidden_recompute=any(compiler_fraction(m) is not None for m in self.plan.modes))
         else:  # the next micro-batch of an accumulation window
             self.monitor.phase("forward")
         self.monitor.add_batch(batch)
@@ -318,9 +341,11 @@ class CheckpointingEngine:
         self.phase.optimizer_step_end()
         plan = self.plan
         result = self.monitor.end_step(pl_module, trainer.optimizers, plan.num_checkpointed if plan else 0)
-        self.last_result = result
         if result.ledger is None:
+            self.last_result = result
             return
+        result = self._as_compiled(result)
+        self.last_result = result
         self._note_length(result)
         metrics = result.metrics(self.settings.prefix)
         if self._logging:  # every figure reduced across ranks: one collective
@@ -342,6 +367,15 @@ class CheckpointingEngine:
             for message in self.calibration.messages:
                 self.info(message)
             self.calibration.messages.clear()
+
+    def _as_compiled(self, result: StepResult) -> StepResult:
+        """The step's figures with the ``compiler:<f>`` blocks' measured savings taken off the activation line. Its
+        figure is counted eagerly (the plan's reference step, or that figure reused: the compiled step's saved
+        tensors would miss the recompute inside those blocks' backward), where those blocks run ``off``."""
+        savings = self.calibration.compiled_savings(self.plan.modes) if self.calibration is not None else 0
+        if not savings or result.ledger.activations is None or not result.reading.eager_figure:
+            return result
+        return dataclasses.replace(result, ledger=result.ledger.with_activations(result.ledger.activations - savings))
 
     def _note_length(self, result: StepResult) -> None:
         length, samples = self._batch_shape or (None, 0)

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -262,6 +263,14 @@ class Ledger:
     cache: Optional[int] = None
     capacity: Optional[int] = None
     phase_peaks: Optional[Dict[str, int]] = None
+
+    def with_activations(self, activations: int) -> "Ledger":
+        """This ledger with another activation figure (``other`` follows: the allocator's peak is unchanged)."""
+        other = None
+        if self.peak_allocated is not None:
+            other = max(0, self.peak_allocated - self.params - self.grads - self.optimizer - activations
+                        - (self.autocast_copies or 0))
+        return dataclasses.replace(self, activations=activations, other=other)
 
     @property
     def peak_phase(self) -> Optional[str]:

@@ -101,6 +101,9 @@ class StepReading:
         autocast_copies: peak bytes of low-precision copies of parameters made by autocast, on exact steps and on
             steps of a calibrated key (``None`` otherwise); never part of ``activations``.
         reference: this step was the exact reference step of its key.
+        eager_figure: ``activations`` was counted on an eager run (an exact step, which runs compiled code eagerly, or
+            the reference step's figure reused because this compiled step's replays were unseen), not on this step's
+            compiled graphs: what a compiler's per-graph choice saves is not in it.
         phase_peaks: ``{"forward", "backward", "optimizer"}`` peak bytes of the step's phases (see the module
             docstring); ``None`` when not measured.
         peak_allocated: peak bytes allocated by the CUDA caching allocator during the step (``None`` off CUDA).
@@ -122,6 +125,7 @@ class StepReading:
     autocast_copies: Optional[int] = None
     reference: bool = False
     phase_peaks: Optional[Dict[str, int]] = None
+    eager_figure: bool = False
 
     @property
     def exact(self) -> bool:
@@ -288,7 +292,7 @@ class StepMeter:
 
     # -- the step
     def start_step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
-                   eager: bool = False, state: Iterable[torch.Tensor] = ()) -> None:
+                   eager: bool = False, state: Iterable[torch.Tensor] = (), hidden_recompute: bool = False) -> None:
         """Reset the allocator peaks (no sync) and start counting activations.
 
         Args:
@@ -299,6 +303,9 @@ class StepMeter:
             eager: run compiled code eagerly this step (exact steps always do), e.g. while block hooks measure.
             state: the tensors of the model state (:func:`lightning_ckpt.measure.ledger.state_tensors`), so that an
                 exact step's phase peaks on the CPU include them.
+            hidden_recompute: the step recomputes inside compiled graphs where no replay is reported (blocks under
+                the compiler's own budget, ``compiler:<f>``): a step after the reference reports the reference's
+                figure, as when replays go unseen, since its saved-tensor figure lacks those transients.
         """
         if self._open:
             warnings.warn("lightning_ckpt: StepMeter.start_step() called while a step was open; the open step "
@@ -312,6 +319,7 @@ class StepMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._replays = self._calibrations = 0
         self._replay_depth = 0
+        self._hidden_recompute = hidden_recompute
         if exact or eager:
             self._stance = _force_eager()
         if activations or exact:
@@ -370,7 +378,7 @@ class StepMeter:
         estimate = saved.peak if saved is not None else None
         exact = live.peak if live is not None else None
         activations, copies = (exact, live.copies_peak) if live is not None else (estimate, None)
-        key, reference = self._key, False
+        key, reference, eager_figure = self._key, False, exact is not None
         if key is not None and exact is not None:
             self._references[key] = _Reference(exact, live.copies_peak, exact - estimate, self._replays, phases)
             reference = True
@@ -379,7 +387,8 @@ class StepMeter:
             copies = ref.copies
             phases = phases or dict(ref.phases)
             # replays unseen (compiled backward): the saved-tensor figure lacks the transient; the reference has it
-            activations = ref.exact if self._replays != ref.replays else estimate + ref.offset
+            eager_figure = self._replays != ref.replays or self._hidden_recompute
+            activations = ref.exact if eager_figure else estimate + ref.offset
         reading = StepReading(
             activations=activations,
             peak_allocated=peak_allocated,
@@ -392,16 +401,19 @@ class StepMeter:
             autocast_copies=copies,
             reference=reference,
             phase_peaks=phases or None,
+            eager_figure=eager_figure,
         )
         self.last = reading
         return reading
 
     @contextlib.contextmanager
     def step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
-             eager: bool = False, state: Iterable[torch.Tensor] = ()) -> Iterator["_ReadingBox"]:
+             eager: bool = False, state: Iterable[torch.Tensor] = (),
+             hidden_recompute: bool = False) -> Iterator["_ReadingBox"]:
         """``with meter.step() as box: ...`` then ``box.reading``; the step is closed even on an exception."""
         box = _ReadingBox()
-        self.start_step(exact=exact, activations=activations, key=key, eager=eager, state=state)
+        self.start_step(exact=exact, activations=activations, key=key, eager=eager, state=state,
+                        hidden_recompute=hidden_recompute)
         del state  # a list of the model state would keep last step's gradients alive through the step
         try:
             yield box

@@ -157,3 +157,55 @@ def test_changing_the_plan_recompiles_once_per_plan_and_reuses_a_plan_that_comes
         run(idx, idx)[1].backward()
         graphs.append(counting.counts["graphs"])
     assert graphs == [1, 2, 3, 3, 3, 3, 3], graphs  # three distinct plans: three graphs, then only reuse
+
+
+def _saved_bytes(model, run) -> int:
+    """Bytes saved for backward by one forward (distinct storages, parameters left out), then the backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in params:
+            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    idx = _inputs()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run(idx, idx)[1]
+    loss.backward()
+    return sum(seen.values())
+
+
+def test_the_compilers_budget_per_block_keeps_less_and_matches_eager(reference):
+    """``compiler:<f>`` blocks compiled one by one: the partitioner keeps less as ``f`` falls (``0`` keeps what a full
+    recompute keeps), gradients equal the eager un-checkpointed model; run eagerly the mode is ``off``."""
+    model, grads = reference
+    torch._dynamo.reset()
+    compiled = copy.deepcopy(model)
+    for block in compiled.transformer.h:
+        block.compile(backend="aot_eager")
+    plan = apply_policy(compiled, "none")
+    saved = {}
+    for mode in ("off", "compiler:1", "compiler:0.5", "compiler:0", "recompute"):
+        plan.set_modes([mode] * plan.num_blocks)
+        compiled.zero_grad(set_to_none=True)
+        saved[mode] = _saved_bytes(compiled, compiled)
+        _assert_grads_equal(compiled, grads)
+    assert saved["compiler:0"] == saved["recompute"] < saved["compiler:0.5"] < saved["off"] == saved["compiler:1"]
+    eager = copy.deepcopy(model)
+    plan = apply_policy(eager, "none")
+    off = _saved_bytes(eager, eager)
+    plan.set_modes(["compiler:0"] * plan.num_blocks)
+    assert _saved_bytes(eager, eager) == off
+
+
+def test_the_compilers_budget_per_block_is_refused_by_pytorch_inside_one_whole_model_graph(reference):
+    """PyTorch takes one budget per graph, covering all of it: a block's annotation inside a whole-model graph fails
+    at the first compile (the callback refuses the combination before training)."""
+    model, _ = reference
+    torch._dynamo.reset()
+    model = copy.deepcopy(model)
+    apply_policy(model, "modes:off,compiler:0,off,off")
+    idx = _inputs()
+    with pytest.raises(Exception, match="must cover the entire forward of a graph"):
+        torch.compile(model, backend="aot_eager")(idx, idx)

@@ -58,6 +58,7 @@ PARSED = [
     ("budget:0.8", BudgetPolicy(0.8), "budget:0.8"),
     ("budget:1.0", BudgetPolicy(1.0), "budget:1.0"),
     ("modes:off,recompute,selective", ModesPolicy((OFF, RE, "selective")), "modes:off,recompute,selective"),
+    ("modes:off,compiler:0.5", ModesPolicy((OFF, "compiler:0.5")), "modes:off,compiler:0.5"),
     # whitespace and the name's case are forgiven
     ("  Every : 2 ", EveryPolicy(2), "every:2"),
     ("ALL", AllPolicy(), "all"),
@@ -330,7 +331,8 @@ def test_unknown_name_lists_the_grammar_and_suggests():
         ("budget:1.5", "budget='1.5' is not a valid fraction of capacity; a fraction must lie in (0, 1]"),
         (
             "modes:off,bogus",
-            "unknown block modes ['bogus']; valid modes are ['off', 'recompute', 'selective', 'offload'].",
+            "unknown block modes ['bogus']; valid modes are ['off', 'recompute', 'selective', 'offload'] and "
+            "'compiler:<fraction in [0, 1]>' (e.g. 'compiler:0.5').",
         ),
     ],
 )
@@ -387,6 +389,8 @@ def test_non_string_policies_are_type_errors(value):
         (lambda: BudgetPolicy(float("nan")), ValueError, r"^budget=nan is not a valid fraction"),
         (lambda: BudgetPolicy(True), TypeError, r"^budget=True must be a size"),
         (lambda: ModesPolicy(("on",)), ValueError, r"^unknown block modes \['on'\]"),
+        (lambda: ModesPolicy(("compiler:1.5",)), ValueError,
+         r"^unknown block modes \['compiler:1.5'\]; valid modes are .* and 'compiler:<fraction in \[0, 1\]>'"),
     ],
 )
 def test_constructors_validate(build, error, match):
@@ -416,3 +420,13 @@ def test_empty_blocks_policy_is_refused_or_round_trips():
 def test_negative_block_index_error_names_the_index():
     with pytest.raises(ValueError, match=r"'-1'"):
         parse_policy("blocks:-1")
+
+
+@pytest.mark.parametrize("mode, fraction", [("compiler:0", 0.0), ("compiler:0.25", 0.25), ("compiler:1", 1.0),
+                                            ("compiler:1.5", None), ("compiler:-0.1", None), ("compiler:x", None),
+                                            ("compiler", None), ("recompute", None)])
+def test_the_compilers_budget_mode_reads_its_fraction(mode, fraction):
+    from lightning_ckpt.core.policy import compiler_fraction, is_mode
+
+    assert compiler_fraction(mode) == fraction
+    assert is_mode(mode) == (fraction is not None or mode in MODES)

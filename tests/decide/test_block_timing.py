@@ -13,7 +13,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from lightning_ckpt.core.wrap import apply_policy
-from lightning_ckpt.decide.block_timing import capture_block_input, time_block_modes
+from lightning_ckpt.decide.block_timing import capture_block_input, saved_block_bytes, time_block_modes
 from lightning_ckpt.decide.budget import BudgetCalibration
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
 from lightning_ckpt.measure.meter import StepMeter
@@ -144,3 +144,63 @@ def test_with_compiled_blocks_the_calibration_prices_modes_on_the_compiled_graph
     assert costs[0].selective_s == calibration.block_seconds["Block"]["selective"]
     assert calibration.chosen is not None and calibration.chosen.modes == ("off",) * 4  # a budget nothing exceeds
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_saved_block_bytes_sees_what_the_compiled_graph_keeps():
+    model = _gpt(n_layer=2, n_embd=32, block_size=32, dropout=0.0)
+    plan = apply_policy(model, "none")
+    block = model.transformer.h[-1]
+    block.compile(backend="aot_eager")
+    idx = torch.randint(0, 96, (2, 32))
+    block_input = _captured(model, idx)
+
+    def set_mode(mode):
+        plan.set_modes(["off", mode])
+
+    kept = saved_block_bytes(block, set_mode, block_input, ("off", "compiler:0.5", "compiler:0", "recompute"),
+                             list(block.parameters()))
+    assert plan.modes == ("off", "off")
+    assert kept["off"] > kept["compiler:0.5"] > kept["compiler:0"] == kept["recompute"] == 0  # input not counted
+    meter = StepMeter("cpu", model=model)
+    with meter.step(exact=True) as box:
+        model(idx, idx)[1].backward()
+    assert kept["off"] < box.reading.activations  # one block compiled keeps less than the whole model eagerly
+
+
+@pytest.mark.timeout(300)
+def test_the_compilers_budgets_are_priced_measured_and_verified_against_the_eager_reference():
+    """With ``compiler_fractions`` the calibration prices and measures ``compiler:<f>`` on the compiled block; an
+    eager step runs those blocks as ``off``, so what they save compiled (:meth:`compiled_savings`) is known apart."""
+    model = _gpt(n_layer=4, n_embd=32, block_size=32, dropout=0.0)
+    plan = apply_policy(model, "none")
+    for block in model.transformer.h:
+        block.compile(backend="aot_eager")
+    idx = torch.randint(0, 96, (2, 32))
+    meter = StepMeter("cpu", model=model)
+    calibration = BudgetCalibration(plan, meter, budget=1, modes=("selective",), block_caller=lambda block: block,
+                                    repeats=2, compiler_fractions=(0.0, 0.5))
+
+    def step():  # as the callback steps: an eager figure, less what the plan's compiler blocks save compiled
+        calibration.begin_step()
+        with meter.step(exact=True, eager=True) as box:
+            model(idx, idx)[1].backward()
+        assert box.reading.eager_figure
+        calibration.end_step(int(box.reading.activations) - calibration.compiled_savings(plan.modes))
+        return int(box.reading.activations)
+
+    while calibration.calibrating:
+        step()
+    kept = calibration.compiled_kept["Block"]
+    assert set(kept) == {"off", "compiler:0", "compiler:0.5"} and kept["off"] > kept["compiler:0.5"] > 0
+    assert {"selective", "compiler:0", "compiler:0.5"} == set(calibration.block_seconds["Block"])
+    cost = calibration.costs()[1]
+    options = {o.mode: o for o in cost.options(("off", "compiler"))}
+    assert options["compiler:0"].kept == cost.boundary
+    assert options["compiler:0.5"].kept == cost.boundary + round(cost.interior * kept["compiler:0.5"] / kept["off"])
+    chosen = calibration.chosen  # budget 1 byte: the lowest peak, the compiler's full-recompute budget
+    assert not chosen.fits and chosen.modes[:3] == ("compiler:0",) * 3
+    savings = calibration.compiled_savings(chosen.modes)
+    assert savings > 0 and calibration.compiled_savings(("off", "selective", "off", "off")) == 0
+    eager = step()  # the plan's reference step, eager: the compiler blocks run as off
+    assert calibration.measured == eager - savings and calibration.done
+    assert calibration.chosen is chosen  # it could not fit: no correction

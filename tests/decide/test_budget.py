@@ -2,7 +2,16 @@ import itertools
 
 import pytest
 
-from lightning_ckpt.decide.budget import BlockCost, plan_budget, predict_peak, smallest_budget
+from lightning_ckpt.core.wrap import apply_policy
+from lightning_ckpt.decide.budget import (
+    BlockCost,
+    BudgetCalibration,
+    ModeCost,
+    plan_budget,
+    predict_peak,
+    smallest_budget,
+)
+from lightning_ckpt.demos.gpt import GPT, GPTConfig
 
 MiB = 2**20
 UNIFORM = [BlockCost(interior=10 * MiB, boundary=1 * MiB, recompute_s=0.01)] * 6
@@ -56,7 +65,8 @@ def test_unreachable_budget_takes_the_lowest_peak_and_names_the_smallest_feasibl
     assert plan.predicted_peak == plan.smallest_budget == 15 * MiB == smallest_budget(UNIFORM)
     assert "does NOT fit: the smallest feasible budget is 15.0 MiB" in plan.describe()
     with pytest.raises(ValueError, match=r"budget 5.0 MiB cannot be met: the smallest feasible activation budget "
-                                         r"with modes \['off', 'selective', 'recompute', 'offload'\] is 15.0 MiB"):
+                                         r"with modes \['off', 'selective', 'recompute', 'offload', 'compiler'\] "
+                                         r"is 15.0 MiB"):
         plan_budget(UNIFORM, 5 * MiB, strict=True)
 
 
@@ -144,14 +154,16 @@ def test_budget_with_auto_threshold_or_fraction_without_capacity_is_refused():
     assert ActivationCheckpointing(policy="budget:0.5", capacity="8GiB").settings.budget.budget == 0.5
 
 
-def _random_costs(rng, n, offload):
+def _random_costs(rng, n, offload, compiler=False):
     costs = []
     for _ in range(n):
         interior, boundary = rng.randint(8, 40) * MiB, rng.randint(1, 4) * MiB
+        budgets = tuple((f"compiler:{f:g}", boundary + int(f * interior), rng.uniform(0.0, 0.04))
+                        for f in (0.0, 0.5, 0.75)) if compiler else ()
         costs.append(BlockCost(interior, boundary, recompute_s=rng.uniform(0.005, 0.05),
                                selective_kept=boundary + rng.randint(1, interior // MiB - 1) * MiB,
                                selective_s=rng.uniform(0.001, 0.02),
-                               offload_s=rng.uniform(0.001, 0.08) if offload else None))
+                               offload_s=rng.uniform(0.001, 0.08) if offload else None, compiler=budgets))
     return costs
 
 
@@ -169,9 +181,10 @@ def test_mixed_mode_solver_is_optimal_against_brute_force(seed):
     import random
 
     rng = random.Random(seed)
-    offload = seed % 2 == 0
-    costs, base = _random_costs(rng, 5, offload), rng.randint(0, 8) * MiB
+    offload, compiler = seed % 2 == 0, seed % 3 == 0
+    costs, base = _random_costs(rng, 5, offload, compiler), rng.randint(0, 8) * MiB
     modes = ("off", "selective", "recompute", "offload") if offload else ("off", "selective", "recompute")
+    modes += ("compiler",) * compiler
     floor = min(predict_peak(costs, plan, base)
                 for plan in itertools.product(*[[o.mode for o in c.options(modes)] for c in costs]))
     assert smallest_budget(costs, base, modes) == floor
@@ -181,7 +194,20 @@ def test_mixed_mode_solver_is_optimal_against_brute_force(seed):
         plan = plan_budget(costs, budget, base, modes)
         assert plan.fits and plan.predicted_peak == predict_peak(costs, plan.modes, base) <= budget
         assert plan.recompute_s == pytest.approx(_brute_force(costs, budget, base, modes))
-        assert set(plan.modes) <= set(modes)
+        assert {m.split(":")[0] for m in plan.modes} <= set(modes)
+
+
+def test_the_compilers_budgets_are_options_only_when_asked_for_and_replay_at_most_a_full_replay():
+    cost = BlockCost(20 * MiB, 2 * MiB, 0.010, compiler=(("compiler:0", 2 * MiB, 0.008),
+                                                          ("compiler:0.5", 12 * MiB, 0.003)))
+    assert [o.mode for o in cost.options(("off", "recompute"))] == ["off", "recompute"]
+    options = {o.mode: o for o in cost.options(("off", "recompute", "compiler"))}
+    assert options["compiler:0"] == ModeCost("compiler:0", 2 * MiB, 22 * MiB, 0.008)
+    assert options["compiler:0.5"].replay == 22 * MiB  # boundary + interior: its backward recomputes at most that
+    # cheaper than recompute at the same bytes: the compiler's full-recompute budget wins at the tightest budget
+    plan = plan_budget([cost] * 4, 30 * MiB, modes=("off", "recompute", "compiler"))
+    assert plan.fits and "recompute" not in plan.modes and "compiler:0" in plan.modes
+    assert "compiler:0" in plan.summary() and "compiler:0" in plan.describe()
 
 
 def test_summary_explains_each_block():
@@ -192,6 +218,16 @@ def test_summary_explains_each_block():
     assert rows[1].split() == ["block", "mode", "kept", "saves", "replay", "peak", "adds", "ms"]
     selective = next(r for r in rows[2:] if "selective" in r)
     assert "6.0 MiB" in selective and "14.0 MiB" in selective and "2.00" in selective
+
+
+def test_compiler_fractions_need_compiled_blocks_and_fractions_in_range():
+    plan = apply_policy(GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)), "none")
+    with pytest.raises(ValueError, match=r"compiler_fractions=\[0.5\] needs blocks that run compiled one by one"):
+        BudgetCalibration(plan, None, 1, compiler_fractions=(0.5,))
+    with pytest.raises(ValueError, match=r"compiler_fractions \[1.5\] are outside \[0, 1\]"):
+        BudgetCalibration(plan, None, 1, block_caller=lambda b: b, compiler_fractions=(0.5, 1.5))
+    with pytest.raises(ValueError, match=r"budget modes \['compiler'\] are not calibrated modes"):
+        BudgetCalibration(plan, None, 1, modes=("recompute", "compiler"))
 
 
 def test_unknown_solver_mode_is_refused():

@@ -42,3 +42,10 @@ def test_offload_counts_only_on_an_accelerator():
 
 def test_a_rung_that_does_not_fit_the_model_is_skipped():
     assert next_rung(_layout("none"), ("none", "blocks:7", "all"), accelerator=False) == "all"
+
+
+def test_the_compilers_budget_per_block_ranks_with_selective_or_recompute():
+    budget = ModesPolicy(("compiler:0.5", "compiler:0", "off", "selective")).layout(4)
+    assert block_strength(budget, accelerator=False) == (1, 3, 0, 1)
+    assert next_rung(budget, LADDER, accelerator=False) == "all"  # every:2 leaves block 1 off, below compiler:0
+    assert next_rung(ModesPolicy(("compiler:0",) * 4).layout(4), LADDER, accelerator=False) is None

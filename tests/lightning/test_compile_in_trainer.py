@@ -194,3 +194,49 @@ def test_sharded_blocks_keep_timing_inside_the_step(monkeypatch):
     assert compiled_block_caller(model, blocks) is not None
     monkeypatch.setattr(conflicts, "is_fsdp_module", lambda module: module is blocks[0])
     assert compiled_block_caller(model, blocks) is None
+
+
+@pytest.mark.timeout(300)
+def test_budget_mixes_the_compilers_per_block_budgets_when_blocks_compile_one_by_one(tmp_path, monkeypatch):
+    """Blocks compiled one by one: the budget also offers ``compiler:<f>`` (priced and measured on the compiled block);
+    with the compiler's full-recompute budget priced cheapest, a tight budget takes it; the graphs stay within
+    dynamo's recompile limit; the activation line is the eager reference less the compiler blocks' savings."""
+    from _lightning_models import BlockCompiledGPT
+
+    from lightning_ckpt.decide import block_timing
+    from lightning_ckpt.decide.budget import COMPILER_FRACTIONS
+
+    real = block_timing.time_block_modes
+
+    def cheap_compiler(*args, **kwargs):  # measured, then the compiler's budgets made the cheapest
+        return {m: (0.0 if m.startswith("compiler:") else s) for m, s in real(*args, **kwargs).items()}
+
+    monkeypatch.setattr(block_timing, "time_block_modes", cheap_compiler)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    seed_everything(0)
+    model = BlockCompiledGPT(n_layer=2, n_embd=32, n_head=2, block_size=T, dropout=0.0)
+    cb = ActivationCheckpointing(policy="budget:1KiB")
+    _fit(tmp_path, model, [cb], steps=5 + 3)
+    calibration = cb.calibration
+    modes = {f"compiler:{f:g}" for f in COMPILER_FRACTIONS}
+    assert modes <= set(calibration.block_seconds["Block"])
+    assert modes | {"off"} == set(calibration.compiled_kept["Block"])
+    assert calibration.done and "compiler:0" in calibration.chosen.modes
+    savings = calibration.compiled_savings(cb.plan.modes)
+    assert savings > 0 and calibration.measured is not None
+    assert cb.last_metrics["memory/activations_gib"] * 2**30 == pytest.approx(calibration.measured, rel=1e-6)
+    # only the blocks are compiled: every graph is the block class's, within the recompile limit (7: three modes and
+    # four compiler budgets; the plan's blocks reuse them)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= torch._dynamo.config.recompile_limit
+
+
+def test_the_compilers_per_block_budget_is_refused_in_a_whole_model_graph_and_warned_about_eagerly(tmp_path):
+    model = _model(GraphCount())
+    cb = ActivationCheckpointing(policy="modes:off,compiler:0.5")
+    with pytest.raises(ValueError, match=r"modes \['compiler:0.5'\], but the whole model is one compiled graph.*"
+                                         r"block\.compile\(\)"):
+        _fit(tmp_path, model, [cb], steps=2)
+    cb = ActivationCheckpointing(policy="modes:off,compiler:0.5")
+    with pytest.warns(RuntimeWarning, match=r"act only on blocks compiled one by one.*run as 'off'"):
+        _fit(tmp_path / "eager", _model(), [cb], steps=2)

@@ -463,3 +463,20 @@ def test_without_phase_boundaries_there_are_no_phase_peaks():
     with meter.step(exact=True, state=list(model.parameters())) as box:
         _fwd_bwd(model, idx)
     assert box.reading.phase_peaks is None and box.reading.activations > 0
+
+
+def test_a_step_with_recompute_hidden_in_compiled_graphs_reports_its_reference_figure():
+    """``hidden_recompute`` (blocks under the compiler's own budget): the saved-tensor figure would miss the recompute
+    inside the compiled backward, so the step reports its reference step's (eager) figure and says so."""
+    model, idx = _gpt("none")
+    meter = StepMeter("cpu", model=model)
+    readings = []
+    for hidden in (False, False, True):
+        with meter.step(key="k", hidden_recompute=hidden) as box:
+            _fwd_bwd(model, idx)
+        readings.append(box.reading)
+    reference, seen, hidden = readings
+    assert reference.reference and reference.eager_figure  # exact steps run eagerly
+    assert not seen.reference and not seen.eager_figure
+    assert seen.activations == seen.activations_estimate + reference.activations - reference.activations_estimate
+    assert hidden.eager_figure and hidden.activations == reference.activations
