@@ -60,7 +60,7 @@ from _common import allocation_peaks, header_lines, measure_memory  # noqa: E402
 from lightning_ckpt.core.blocks import find_blocks  # noqa: E402
 from lightning_ckpt.core.units import MiB  # noqa: E402
 from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing  # noqa: E402
-from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration, plan_budget  # noqa: E402
+from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration, mode_mix, plan_budget  # noqa: E402
 from lightning_ckpt.forecast.load import lightning_step, make_optimizers, step_loss  # noqa: E402
 from lightning_ckpt.forecast.precision import parse_precision  # noqa: E402
 from lightning_ckpt.measure.meter import StepMeter  # noqa: E402
@@ -542,19 +542,13 @@ def _verdict(ratio: float) -> str:
     return "PASS" if ratio <= 1.0 else "TIE" if ratio <= TIE else "MISS"
 
 
-def _mix(modes: Sequence[str]) -> str:
-    """``"1 off, 2 selective, 5 compiler:0"``: how many blocks run in each mode."""
-    order = sorted(set(modes), key=lambda m: (("off", "selective", "recompute").index(m) if m in EAGER_MODES else 3, m))
-    return ", ".join(f"{modes.count(m)} {m}" for m in order)
-
-
 def print_case(result: Dict[str, Any]) -> None:
     print(f"\n{result['model']} {result['precision']}: {result['blocks']} blocks, micro-batch "
           f"{result['micro_batch']} × {result['seq_len']}, {result['rounds']} interleaved rounds (medians; ranges)")
     print(f"{'budget MiB':>10} {'our plan':<28}{'peak MiB':>9}{'fits':>5}{'ours ms':>9} {'range':>13}  "
           f"{'fastest fitting anchor':<24}{'ms':>8} {'range':>13}{'ratio':>7} {'(paired range)':<15} verdict")
     for r in result["rows"]:
-        mix = _mix(r["modes"])
+        mix = mode_mix(r["modes"])
         rng = f"{r['step_range'][0] * 1e3:.0f}-{r['step_range'][1] * 1e3:.0f}"
         arng = (f"{r['best_anchor_range'][0] * 1e3:.0f}-{r['best_anchor_range'][1] * 1e3:.0f}"
                 if r["best_anchor"] else "")
@@ -581,7 +575,7 @@ def print_case(result: Dict[str, Any]) -> None:
         print(f"{'budget':>7} {'allocator':>9} {'same':>5} {'peak':>7} {'ms':>6} {'lowered':>7} {'peak':>7} {'ms':>6}  "
               f"{'our plan':<44}{'peak':>7} {'ms':>6}{'ratio':>7} {'(paired range)':<15} verdict")
         for r in rows:
-            mix = _mix(r["modes"])
+            mix = mode_mix(r["modes"])
             lowered = (f"{r['lowered_fraction']:>7.2f} {r['lowered_peak'] / MiB:>7.2f} {r['lowered_s'] * 1e3:>6.0f}"
                        if "lowered_fraction" in r else f"{'-':>7} {'':>7} {'':>6}")
             ratio = (f"{r['ratio'][0]:>7.3f} ({r['ratio'][1]:.3f}-{r['ratio'][2]:.3f})" if r["ratio"]

@@ -30,13 +30,16 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=None, help="cuda, cpu (default: cuda when available)")
     p.add_argument("--out", default="frontier_out", help="output directory (default frontier_out)")
     p.add_argument("--no-plot", action="store_true", help="no frontier.png")
+    p.add_argument("--compile-blocks", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="compile every block as its own graph (block.compile(), default backend inductor): modes are "
+                        "priced compiled and the compiler's own budget per block (compiler:<f>) joins them")
 
 
 def run(args) -> int:
     report = frontier(args.model, args.init_args, micro_batch=args.micro_batch, seq_len=args.seq_len,
                       budgets=args.budgets, anchors=[a.strip() for a in args.anchors.split(",") if a.strip()],
                       rounds=args.rounds, precision=args.precision, device=args.device, out=args.out,
-                      plot=not args.no_plot)
+                      plot=not args.no_plot, compile_blocks=args.compile_blocks)
     print(frontier_table(report))
     print("wrote " + ", ".join(report.outputs.values()))
     return 0

@@ -39,12 +39,23 @@ from lightning_ckpt.core.policy import COMPILER_MODE, compiler_fraction
 from lightning_ckpt.core.units import format_bytes
 
 __all__ = ["COMPILER_FRACTIONS", "SOLVER_MODES", "BlockCost", "BudgetCalibration", "BudgetPlan", "ModeCost",
-           "plan_budget", "predict_peak", "smallest_budget"]
+           "mode_mix", "plan_budget", "predict_peak", "smallest_budget"]
 
 SOLVER_MODES = ("off", "selective", "recompute", "offload", COMPILER_MODE)
 COMPILER_FRACTIONS = (0.0, 0.25, 0.5, 0.75)
 """The compiler budgets offered per block when the blocks are compiled one by one: with ``off``, ``recompute`` and
 ``selective`` that is 7 graphs per block class, under dynamo's default ``recompile_limit`` of 8."""
+
+
+def mode_mix(modes: Sequence[str]) -> str:
+    """``"1 off, 2 selective, 5 compiler:0"``: how many blocks run in each mode, whole-block modes first, then the
+    compiler's budgets from the most kept to the least."""
+
+    def order(mode: str):
+        fraction = compiler_fraction(mode)
+        return (len(SOLVER_MODES), -fraction) if fraction is not None else (SOLVER_MODES.index(mode), 0.0)
+
+    return ", ".join(f"{list(modes).count(m)} {m}" for m in sorted(set(modes), key=order))
 
 
 @dataclass(frozen=True)
@@ -125,8 +136,7 @@ class BudgetPlan:
 
     def describe(self) -> str:
         chosen = [i for i, m in enumerate(self.modes) if m != "off"]
-        counts = {m: self.modes.count(m) for m in sorted(set(self.modes) - {"off"}, key=self.modes.index)}
-        mix = ", ".join(f"{n} {m}" for m, n in counts.items()) or "nothing"
+        mix = mode_mix([m for m in self.modes if m != "off"]) or "nothing"
         text = (f"budget {format_bytes(self.budget)}: {mix} of {len(self.modes)} blocks {chosen}, predicted "
                 f"activation peak {format_bytes(self.predicted_peak)}, added time {self.recompute_s * 1e3:.1f} ms/step")
         if not self.fits:

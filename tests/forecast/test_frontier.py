@@ -64,3 +64,31 @@ def test_a_budget_below_the_smallest_feasible_is_refused_naming_it(tmp_path):
 def test_an_anchor_must_be_a_fixed_mode(tmp_path, capsys):
     assert main(["frontier", GPT, "--init-args", TINY, "--anchors", "none,budget:1MiB", "--out", str(tmp_path)]) == 2
     assert "--anchors: 'budget:1MiB' is not a fixed mode" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_with_blocks_compiled_the_compilers_budget_per_block_joins_the_modes(tmp_path):
+    """``--compile-blocks``: every block its own graph; the modes are priced compiled and ``compiler:<f>`` is
+    offered; every plan fits its budget in the callback's figure (the eager peak less the compiler blocks' savings)."""
+    import torch
+
+    torch._dynamo.reset()
+    report = frontier(GPT, TINY, micro_batch=2, seq_len=64, budgets=3, rounds=1, anchors=("none", "all"),
+                      out=str(tmp_path), plot=False, compile_blocks="aot_eager")
+    assert report.settings["compile_blocks"] == "aot_eager" and "compiler" in report.settings["modes"]
+    priced = {"recompute", "selective", "compiler:0", "compiler:0.25", "compiler:0.5", "compiler:0.75"}
+    assert set(report.settings["block_seconds"]["Block"]) == priced  # each priced on the compiled block
+    kept = report.settings["compiled_kept"]["Block"]
+    assert kept["off"] > kept["compiler:0.5"] > kept["compiler:0"]
+    for point in report.plans:
+        assert point.refused is None and point.fits and point.activations <= point.budget, point
+        assert {m.split(":")[0] for m in point.modes} <= {"off", "selective", "recompute", "compiler"}
+    data = json.loads((tmp_path / "frontier.json").read_text())
+    assert data["settings"]["compile_blocks"] == "aot_eager"
+
+
+def test_an_unknown_compile_backend_is_refused_with_the_choices(tmp_path, capsys):
+    assert main(["frontier", GPT, "--init-args", TINY, "--compile-blocks", "turbo", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "--compile-blocks='turbo' is not a torch.compile backend; valid backends:" in err and "inductor" in err
+    assert not (tmp_path / "x").exists()

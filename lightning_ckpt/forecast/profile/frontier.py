@@ -17,6 +17,13 @@ run in this card?" for a whole range of cards at once:
    round first), without any meter; the median and the range over rounds are reported, so that the machine's
    drift hits every configuration alike.
 
+With ``compile_blocks`` (``--compile-blocks [BACKEND]``) every block is compiled as its own graph
+(``block.compile()``, the torchtitan / FSDP2 way) and the plans are what the callback chooses for such a model: the
+modes are priced on the compiled block alone, and the compiler's own budget per block, ``compiler:<f>``, joins the
+modes (measured on the compiled block). Peaks come from exact steps, which run compiled code eagerly, so a plan's
+``compiler:<f>`` blocks count there as ``off`` and their measured savings are taken off, as the callback does; times
+are the compiled steps'.
+
 Outputs under ``out``: ``frontier.json``, ``frontier.png`` (activation peak on x, step time on y: the budget plans
 as a line, every fixed mode as a labelled point) and the table :func:`frontier_table` prints.
 """
@@ -38,7 +45,7 @@ from torch import nn
 from lightning_ckpt.core.policy import parse_policy
 from lightning_ckpt.core.units import MiB, format_bytes, parse_size
 from lightning_ckpt.core.wrap import apply_policy
-from lightning_ckpt.decide.budget import BudgetCalibration, plan_budget, smallest_budget
+from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration, mode_mix, plan_budget, smallest_budget
 from lightning_ckpt.forecast.load import build_model, lightning_step, load_init_args, make_optimizers
 from lightning_ckpt.forecast.precision import parse_precision
 from lightning_ckpt.measure.meter import StepMeter
@@ -74,8 +81,7 @@ class FrontierPoint:
     @property
     def mix(self) -> str:
         """``"6 off, 4 selective, 2 recompute"``."""
-        counts = {m: self.modes.count(m) for m in ("off", "selective", "recompute", "offload") if m in self.modes}
-        return ", ".join(f"{n} {m}" for m, n in counts.items())
+        return mode_mix(self.modes)
 
 
 @dataclass
@@ -145,6 +151,7 @@ def frontier(
     out: Union[str, os.PathLike] = "frontier_out",
     plot: bool = True,
     seed: int = 0,
+    compile_blocks: Optional[str] = None,
 ) -> FrontierReport:
     """Measure the frontier of ``model`` (see the module docstring) and write the outputs under ``out``.
 
@@ -158,6 +165,8 @@ def frontier(
         rounds: timed rounds (after one untimed round).
         precision: a Lightning precision name.
         device: ``cuda`` when available, else ``cpu``.
+        compile_blocks: a ``torch.compile`` backend (e.g. ``"inductor"``): compile every block with it, one graph
+            per block, and offer the compiler's budget per block (module docstring); ``None``: run eagerly.
 
     Raises:
         ValueError: bad input, before any step runs.
@@ -167,6 +176,7 @@ def frontier(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer.")
     mode = parse_precision(precision)
+    _check_backend(compile_blocks)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _, kwargs, _ = load_init_args(init_args, None)
     label = model if isinstance(model, str) else getattr(model, "__qualname__", type(model).__name__)
@@ -188,6 +198,9 @@ def frontier(
         except ValueError as err:
             raise ValueError(f"--anchors: {name!r} is not a fixed mode ({err}); use {', '.join(ANCHORS)} or any "
                              "fixed policy such as every:3.") from None
+    if compile_blocks is not None:
+        for block in plan.blocks:
+            block.compile(backend=compile_blocks)
     torch.manual_seed(seed)
     batch = _to(module.example_batch(micro_batch, seq_len), dev)
     opts = make_optimizers(module, None)
@@ -195,12 +208,16 @@ def frontier(
     runner.step()  # lazy optimizer state and one-time kernel set-up, before anything is measured
 
     modes = ("recompute", "selective", "offload") if dev.type == "cuda" else ("recompute", "selective")
-    calibration = BudgetCalibration(plan, runner.meter, budget=2**62, synchronize=runner.sync, modes=modes)
+    compiled = compile_blocks is not None
+    calibration = BudgetCalibration(plan, runner.meter, budget=2**62, synchronize=runner.sync, modes=modes,
+                                    block_caller=(lambda block: block) if compiled else None,
+                                    compiler_fractions=COMPILER_FRACTIONS if compiled else ())
     while calibration.calibrating:
         calibration.begin_step()
         calibration.end_step(runner.activations(exact=calibration.exact_step))
     costs, base = calibration.costs(), calibration.base
-    floor = smallest_budget(costs, base, ("off", *modes))
+    solver_modes = ("off", *modes, *["compiler"] * compiled)
+    floor = smallest_budget(costs, base, solver_modes)
 
     anchor_points = []
     for name, spec in specs.items():
@@ -214,15 +231,18 @@ def frontier(
     measured = dict(calibration.measured_plans)
     measured.update({tuple(p.modes): p.activations for p in anchor_points})
     floor = min(floor, min(measured.values()))  # a plan measured to fit is feasible, whatever the model says
-    plans = [_budget_point(plan, runner, costs, base, budget, ("off", *modes), measured) for budget in levels]
+    plans = [_budget_point(plan, runner, costs, base, budget, solver_modes, measured, calibration.compiled_savings)
+             for budget in levels]
 
     points = [p for p in plans + anchor_points if p.refused is None]
     _time_interleaved(plan, runner, points, rounds)
     plan.retarget("none")
     report = FrontierReport(model=label, device=str(dev), plans=plans, anchors=anchor_points, smallest_budget=floor,
                             settings=dict(micro_batch=micro_batch, seq_len=seq_len, budgets=levels, rounds=rounds,
-                                          precision=mode.name, anchors={a: specs[a] for a in specs}, modes=modes,
-                                          base=base, seed=seed))
+                                          precision=mode.name, anchors={a: specs[a] for a in specs},
+                                          modes=solver_modes[1:], base=base, seed=seed, compile_blocks=compile_blocks,
+                                          block_seconds=calibration.block_seconds,
+                                          compiled_kept=calibration.compiled_kept))
     outdir = os.fspath(out)
     os.makedirs(outdir, exist_ok=True)
     report.outputs["json"] = os.path.join(outdir, "frontier.json")
@@ -231,6 +251,16 @@ def frontier(
     with open(report.outputs["json"], "w", encoding="utf-8") as fh:
         json.dump(report.as_json(), fh, indent=2)
     return report
+
+
+def _check_backend(backend: Optional[str]) -> None:
+    """Refuse an unknown ``torch.compile`` backend before anything runs."""
+    if backend is None:
+        return
+    valid = sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"})
+    if backend not in valid:
+        raise ValueError(f"--compile-blocks={backend!r} is not a torch.compile backend; valid backends: "
+                         f"{', '.join(valid)} (inductor compiles, aot_eager partitions without code generation).")
 
 
 def _anchor_spec(name: str, num_blocks: int) -> str:
@@ -260,7 +290,8 @@ class _Runner:
         lightning_step(self.module, self.batch, self.opts, self.precision, self.dev.type)
 
     def activations(self, exact: bool = True) -> int:
-        """The activation peak of one step: exact (what the callback logs), or the cheap figure (a timed step)."""
+        """The activation peak of one step: exact (what the callback logs; compiled code runs eagerly), or the cheap
+        figure (a timed step)."""
         gc.collect()
         with self.meter.step(exact=exact) as box:
             self.step()
@@ -274,7 +305,8 @@ class _Runner:
         return time.perf_counter() - t0
 
 
-def _budget_point(plan, runner: _Runner, costs, base, budget: int, modes, measured) -> FrontierPoint:
+def _budget_point(plan, runner: _Runner, costs, base, budget: int, modes, measured, savings) -> FrontierPoint:
+    """The plan at ``budget``, measured (its ``compiler:<f>`` blocks' ``savings`` taken off the eager figure)."""
     chosen = plan_budget(costs, budget, base, modes, measured=measured)
     point = FrontierPoint(f"budget {format_bytes(budget)}", chosen.modes, budget=budget,
                           predicted=chosen.predicted_peak)
@@ -283,7 +315,7 @@ def _budget_point(plan, runner: _Runner, costs, base, budget: int, modes, measur
                          f"{format_bytes(budget)} cannot be met with modes {list(modes)}")
         return point
     plan.set_modes(chosen.modes)
-    point.activations = runner.activations()
+    point.activations = runner.activations() - savings(chosen.modes)
     for _ in range(3):  # offline there is time: a measured overshoot is corrected until the plan fits (3 at most)
         if point.activations <= budget:
             break
@@ -293,7 +325,7 @@ def _budget_point(plan, runner: _Runner, costs, base, budget: int, modes, measur
             break
         plan.set_modes(again.modes)
         point.modes, point.predicted, point.corrected = again.modes, again.predicted_peak, True
-        point.activations = runner.activations()
+        point.activations = runner.activations() - savings(again.modes)
     point.fits = point.activations <= budget
     return point
 
