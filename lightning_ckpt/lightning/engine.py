@@ -252,7 +252,8 @@ class CheckpointingEngine:
                 "where PyTorch applies one activation memory budget covering the whole graph. Compile block by block "
                 "(for block in blocks: block.compile()) instead of torch.compile(model), or use the modes "
                 f"{[m for m in MODES if m != 'offload']} with a whole-model compile.")
-        if compiled_block_caller(pl_module, self.plan.blocks) is None:
+        sharded = any(conflicts.is_fsdp_module(m) for m in pl_module.modules())  # no block caller: not "eager"
+        if compiled_block_caller(pl_module, self.plan.blocks) is None and not sharded:
             warnings.warn(f"lightning_ckpt: policy {self.policy.spec!r} uses {modes}, which act only on blocks "
                           "compiled one by one (block.compile()); these blocks run eagerly, so they run as 'off'.",
                           RuntimeWarning, stacklevel=2)
@@ -373,7 +374,7 @@ class CheckpointingEngine:
         figure is counted eagerly (the plan's reference step, or that figure reused: the compiled step's saved
         tensors would miss the recompute inside those blocks' backward), where those blocks run ``off``."""
         savings = self.calibration.compiled_savings(self.plan.modes) if self.calibration is not None else 0
-        if not savings or result.ledger.activations is None or not result.reading.eager_figure:
+        if not savings or result.ledger.activations is None or not getattr(result.reading, "eager_figure", False):
             return result
         return dataclasses.replace(result, ledger=result.ledger.with_activations(result.ledger.activations - savings))
 
