@@ -62,10 +62,11 @@ def _loader(model, n):
     return DataLoader([batch] * n, batch_size=None)
 
 
-def _fit(tmp_path, model, callbacks, steps):
+def _fit(tmp_path, model, callbacks, steps, **overrides):
     trainer = Trainer(callbacks=callbacks, **trainer_kwargs(tmp_path, max_steps=steps, log_every_n_steps=1,
-                                                           limit_val_batches=0, num_sanity_val_steps=0))
-    trainer.fit(model, train_dataloaders=_loader(model, steps))
+                                                           limit_val_batches=0, num_sanity_val_steps=0, **overrides))
+    accumulate = overrides.get("accumulate_grad_batches", 1)
+    trainer.fit(model, train_dataloaders=_loader(model, steps * accumulate))
     return trainer
 
 
@@ -196,11 +197,14 @@ def test_sharded_blocks_keep_timing_inside_the_step(monkeypatch):
     assert compiled_block_caller(model, blocks) is None
 
 
-@pytest.mark.timeout(300)
-def test_budget_mixes_the_compilers_per_block_budgets_when_blocks_compile_one_by_one(tmp_path, monkeypatch):
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("precision, accumulate", [("32-true", 1), ("bf16-mixed", 2)])
+def test_budget_mixes_the_compilers_per_block_budgets_when_blocks_compile_one_by_one(tmp_path, monkeypatch, precision,
+                                                                                      accumulate):
     """Blocks compiled one by one: the budget also offers ``compiler:<f>`` (priced and measured on the compiled block);
     with the compiler's full-recompute budget priced cheapest, a tight budget takes it; the graphs stay within
-    dynamo's recompile limit; the activation line is the eager reference less the compiler blocks' savings."""
+    dynamo's recompile limit; the activation line is the eager reference less the compiler blocks' savings; the
+    weights equal those of the same compiled model trained without checkpointing (float32)."""
     from _lightning_models import BlockCompiledGPT
 
     from lightning_ckpt.decide import block_timing
@@ -217,7 +221,7 @@ def test_budget_mixes_the_compilers_per_block_budgets_when_blocks_compile_one_by
     seed_everything(0)
     model = BlockCompiledGPT(n_layer=2, n_embd=32, n_head=2, block_size=T, dropout=0.0)
     cb = ActivationCheckpointing(policy="budget:1KiB")
-    _fit(tmp_path, model, [cb], steps=5 + 3)
+    _fit(tmp_path, model, [cb], steps=5 + 3, precision=precision, accumulate_grad_batches=accumulate)
     calibration = cb.calibration
     modes = {f"compiler:{f:g}" for f in COMPILER_FRACTIONS}
     assert modes <= set(calibration.block_seconds["Block"])
@@ -229,6 +233,12 @@ def test_budget_mixes_the_compilers_per_block_budgets_when_blocks_compile_one_by
     # only the blocks are compiled: every graph is the block class's, within the recompile limit (7: three modes and
     # four compiler budgets; the plan's blocks reuse them)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= torch._dynamo.config.recompile_limit
+    if precision == "32-true":
+        seed_everything(0)
+        plain = BlockCompiledGPT(n_layer=2, n_embd=32, n_head=2, block_size=T, dropout=0.0)
+        _fit(tmp_path / "plain", plain, [ActivationCheckpointing(policy="none")], steps=5 + 3)
+        for (name, value), expected in zip(model.state_dict().items(), plain.state_dict().values()):
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_the_compilers_per_block_budget_is_refused_in_a_whole_model_graph_and_warned_about_eagerly(tmp_path):
