@@ -53,6 +53,7 @@ __all__ = [
     "Policy",
     "SelectivePolicy",
     "compiler_fraction",
+    "compiler_modes",
     "is_mode",
     "parse_policy",
     "parse_policy_list",
@@ -74,6 +75,11 @@ def compiler_fraction(mode: str) -> Union[float, None]:
     except ValueError:
         return None
     return fraction if 0.0 <= fraction <= 1.0 else None
+
+
+def compiler_modes(modes: Sequence[str]) -> List[str]:
+    """The distinct ``compiler:<fraction>`` modes among ``modes``, sorted (empty when a plan has none)."""
+    return sorted({m for m in modes if compiler_fraction(m) is not None})
 
 
 def is_mode(mode: str) -> bool:

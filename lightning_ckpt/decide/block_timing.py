@@ -73,6 +73,18 @@ def capture_block_input(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> BlockI
     return BlockInput(copy[0], copy[1], device_type, autocast)
 
 
+@contextlib.contextmanager
+def _alone(set_mode: Callable[[str], None], block_input: BlockInput):
+    """Around a block's solo runs: the random-number state forked (training's dropout draws are untouched), grad
+    on, and the block left ``off`` whatever happens."""
+    devices = [torch.cuda.current_device()] if block_input.device_type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            yield
+    finally:
+        set_mode("off")
+
+
 def _forward_backward(call: Callable, block_input: BlockInput, pack: Optional[Callable] = None) -> None:
     args, kwargs = block_input.fresh()
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if pack else contextlib.nullcontext()
@@ -102,23 +114,19 @@ def time_block_modes(call: Callable, set_mode: Callable[[str], None], block_inpu
     """
     sync = synchronize or (lambda: None)
     order = ["off", *[m for m in modes if m != "off"]]
-    devices = [torch.cuda.current_device()] if block_input.device_type == "cuda" else []
     times: Dict[str, list] = {m: [] for m in order}
-    try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            for mode in order:  # the first call of a mode compiles its graph: not timed
+    with _alone(set_mode, block_input):
+        for mode in order:  # the first call of a mode compiles its graph: not timed
+            set_mode(mode)
+            _forward_backward(call, block_input)
+        for r in range(repeats):
+            for mode in order[r % len(order):] + order[:r % len(order)]:
                 set_mode(mode)
+                sync()
+                t0 = time.perf_counter()
                 _forward_backward(call, block_input)
-            for r in range(repeats):
-                for mode in order[r % len(order):] + order[:r % len(order)]:
-                    set_mode(mode)
-                    sync()
-                    t0 = time.perf_counter()
-                    _forward_backward(call, block_input)
-                    sync()
-                    times[mode].append(time.perf_counter() - t0)
-    finally:
-        set_mode("off")
+                sync()
+                times[mode].append(time.perf_counter() - t0)
     return {m: max(statistics.median(t - off for t, off in zip(times[m], times["off"])), 0.0) for m in order[1:]}
 
 
@@ -140,22 +148,18 @@ def saved_block_bytes(call: Callable, set_mode: Callable[[str], None], block_inp
     """
     inputs = [t for t in tree_flatten((block_input.args, block_input.kwargs))[0] if isinstance(t, torch.Tensor)]
     skip = {t.untyped_storage().data_ptr() for t in (*exclude, *inputs)}  # fresh() leaves share these storages
-    devices = [torch.cuda.current_device()] if block_input.device_type == "cuda" else []
     out: Dict[str, int] = {}
-    try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            for mode in modes:
-                set_mode(mode)
-                seen: Dict[int, int] = {}
+    with _alone(set_mode, block_input):
+        for mode in modes:
+            set_mode(mode)
+            seen: Dict[int, int] = {}
 
-                def pack(tensor: torch.Tensor, seen=seen) -> torch.Tensor:
-                    storage = tensor.untyped_storage()
-                    if storage.data_ptr() not in skip:
-                        seen[storage.data_ptr()] = storage.nbytes()
-                    return tensor
+            def pack(tensor: torch.Tensor, seen=seen) -> torch.Tensor:
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in skip:
+                    seen[storage.data_ptr()] = storage.nbytes()
+                return tensor
 
-                _forward_backward(call, block_input, pack)
-                out[mode] = sum(seen.values())
-    finally:
-        set_mode("off")
+            _forward_backward(call, block_input, pack)
+            out[mode] = sum(seen.values())
     return out

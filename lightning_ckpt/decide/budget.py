@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from lightning_ckpt.core.policy import COMPILER_MODE, compiler_fraction
+from lightning_ckpt.core.policy import COMPILER_MODE, compiler_fraction, compiler_modes
 from lightning_ckpt.core.units import format_bytes
 
 __all__ = ["COMPILER_FRACTIONS", "SOLVER_MODES", "BlockCost", "BudgetCalibration", "BudgetPlan", "ModeCost",
@@ -401,10 +401,11 @@ class BudgetCalibration:
     def compiled_savings(self, modes: Sequence[str]) -> int:
         """Bytes a plan's ``compiler:<f>`` blocks save compiled against the same plan run eagerly (where they are
         ``off``), under the peak model: what to subtract from an eager reference step's figure (0 without them)."""
-        if not any(compiler_fraction(m) is not None for m in modes):
+        compiled = compiler_modes(modes)
+        if not compiled:
             return 0
         costs = self.costs()
-        eager = [("off" if compiler_fraction(m) is not None else m) for m in modes]
+        eager = ["off" if m in compiled else m for m in modes]
         return max(predict_peak(costs, eager, self._base) - predict_peak(costs, modes, self._base), 0)
 
     def _fit_base(self, plans: Sequence[Sequence[str]], peaks: Sequence[int]) -> Tuple[int, int]:

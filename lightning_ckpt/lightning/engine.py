@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Seque
 import torch
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt.core.policy import MODES, Policy, compiler_fraction, parse_policy
+from lightning_ckpt.core.policy import MODES, Policy, compiler_modes, parse_policy
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.units import GiB
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
@@ -243,7 +243,7 @@ class CheckpointingEngine:
     def _check_compiler_modes(self, pl_module: "pl.LightningModule") -> None:
         """``compiler:<f>`` blocks in a fixed plan: refused inside one whole-model graph (PyTorch takes one budget
         per graph, covering all of it, and fails at the first compile); a warning when the blocks run eagerly."""
-        modes = sorted({m for m in self.plan.modes if compiler_fraction(m) is not None})
+        modes = compiler_modes(self.plan.modes)
         if not modes:
             return
         if blocks_in_one_compiled_graph(pl_module, self.plan.blocks):
@@ -304,7 +304,7 @@ class CheckpointingEngine:
                                     eager=calibrating, tokens=self._logging,
                                     state=_step_tensors(pl_module, trainer.optimizers, batch),
                                     exact=self.calibration.exact_step if calibrating else None,
-                                    hidden_recompute=any(compiler_fraction(m) is not None for m in self.plan.modes))
+                                    hidden_recompute=bool(compiler_modes(self.plan.modes)))
         else:  # the next micro-batch of an accumulation window
             self.monitor.phase("forward")
         self.monitor.add_batch(batch)

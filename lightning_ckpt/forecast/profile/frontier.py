@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from lightning_ckpt.core.policy import parse_policy
+from lightning_ckpt.core.policy import COMPILER_MODE, parse_policy
 from lightning_ckpt.core.units import MiB, format_bytes, parse_size
 from lightning_ckpt.core.wrap import apply_policy
 from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration, mode_mix, plan_budget, smallest_budget
@@ -216,7 +216,7 @@ def frontier(
         calibration.begin_step()
         calibration.end_step(runner.activations(exact=calibration.exact_step))
     costs, base = calibration.costs(), calibration.base
-    solver_modes = ("off", *modes, *["compiler"] * compiled)
+    solver_modes = ("off", *modes, *[COMPILER_MODE] * compiled)
     floor = smallest_budget(costs, base, solver_modes)
 
     anchor_points = []
