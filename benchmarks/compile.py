@@ -1,7 +1,10 @@
 """Eager vs ``torch.compile`` (inductor, C++ backend on the CPU) per policy, in float32 and bf16 autocast.
 
-Two ways to compile: the whole model (``torch.compile(model)``), and block by block (``block.compile()``, the
-torchtitan / FSDP2 way, where each block's backward graph holds its own recomputation).
+Three ways to compile: the whole model (``torch.compile(model)``), block by block (``block.compile()``, the
+torchtitan / FSDP2 way, where each block's backward graph holds its own recomputation), and the whole model
+compiled by the user and then split by the plugin (``compile_blocks=True``:
+:func:`lightning_ckpt.lightning.compiled.compile_blocks_one_by_one`, each block its own graph with the whole model's
+backend and options, the modules outside the blocks eager).
 
 Run from the repository root::
 
@@ -12,7 +15,7 @@ Run from the repository root::
 
 What it measures, per precision and policy, for the same model and batch:
 
-* **Step time**: forward + backward (no optimizer), rounds interleaved eager / compiled / compiled per block (and
+* **Step time**: forward + backward (no optimizer), rounds interleaved eager / compiled / per block / compile_blocks (and
   reversed); each compiled time over the eager time *of the same round*, median over rounds (and the range).
 * **Activation peak**: the peak of the bytes the CPU allocator holds for the step above what it held before the
   step (gradients already allocated, kept with ``zero_grad(set_to_none=False)``: the gradient-accumulation case),
@@ -50,6 +53,7 @@ import torch  # noqa: E402
 
 from lightning_ckpt.core.wrap import apply_policy  # noqa: E402
 from lightning_ckpt.demos.gpt import GPTConfig  # noqa: E402
+from lightning_ckpt.lightning.compiled import compile_blocks_one_by_one  # noqa: E402
 
 POLICIES = ("none", "all", "selective", "every:2")
 PRECISIONS = ("fp32", "bf16-autocast")
@@ -62,7 +66,7 @@ def _context(precision: str):
     return contextlib.nullcontext()
 
 
-MODES = ("eager", "compiled", "per block")
+MODES = ("eager", "compiled", "per block", "compile_blocks")
 
 
 def _variant(cfg: GPTConfig, policy: str, mode: str):
@@ -73,6 +77,11 @@ def _variant(cfg: GPTConfig, policy: str, mode: str):
     if mode == "per block":
         for block in model.transformer.h:
             block.compile()
+    if mode == "compile_blocks":  # the user's torch.compile(model), then the plugin's compile_blocks=True
+        holder = torch.nn.Module()
+        holder.model = torch.compile(model)
+        compile_blocks_one_by_one(holder, list(model.transformer.h))
+        return holder.model, model
     return model, model
 
 
@@ -146,12 +155,12 @@ def verdicts(rows, mode: str, precisions=PRECISIONS) -> List[Tuple[bool, str]]:
 
 
 def table(rows) -> str:
-    lines = [f"{'precision':<14}{'policy':<11}{'compile':<10}{'eager act MiB':>14}{'compiled MiB':>13}"
+    lines = [f"{'precision':<14}{'policy':<11}{'compile':<15}{'eager act MiB':>14}{'compiled MiB':>13}"
              f"{'act ratio':>10}{'step peak ratio':>16}{'eager s':>9}{'compiled s':>11}{'time ratio':>11}"
              f"{'   ratio range':<16}{'compile s':>10}"]
     for r in rows:
         lo, hi = r["ratio_range"]
-        lines.append(f"{r['precision']:<14}{r['policy']:<11}{r['mode']:<10}{C.mib(r['eager_peak']):>15.1f}"
+        lines.append(f"{r['precision']:<14}{r['policy']:<11}{r['mode']:<15}{C.mib(r['eager_peak']):>15.1f}"
                      f"{C.mib(r['compiled_peak']):>13.1f}{r['compiled_peak'] / r['eager_peak']:>10.3f}"
                      f"{r['compiled_step_peak'] / r['eager_step_peak']:>16.3f}"
                      f"{r['eager_s']:>9.3f}{r['compiled_s']:>11.3f}{r['ratio']:>11.3f}   [{lo:.3f},{hi:.3f}]    "
@@ -185,7 +194,8 @@ def main(argv=None) -> int:
     rows = measure(cfg, batch, rounds, precisions)
     print(table(rows))
     results = verdicts(rows, "compiled", precisions)
-    for ok, text in results + verdicts(rows, "per block", precisions):
+    others = verdicts(rows, "per block", precisions) + verdicts(rows, "compile_blocks", precisions)
+    for ok, text in results + others:
         print(f"{'PASS' if ok else 'MISS'}  {text}")
     if args.json:
         with open(args.json, "w") as fh:

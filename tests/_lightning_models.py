@@ -6,6 +6,8 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_ckpt.demos import GPTLightningModule
@@ -324,3 +326,29 @@ class CleanDistributedExit(Callback):
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+class GraphCount:
+    """A compile backend (AOTAutograd, min-cut partitioner) that counts the forward graphs it compiles."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+        def forward_compiler(gm, example_inputs):
+            self.graphs += 1
+            return gm.forward
+
+        self.backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: gm.forward,
+                                    partition_fn=min_cut_rematerialization_partition)
+
+
+class CompiledGPT(GPTLightningModule):
+    """Compiles its model in ``configure_model``, as a Lightning user does."""
+
+    def __init__(self, counter: GraphCount, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.counter = counter
+
+    def configure_model(self) -> None:
+        if not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
+            self.model = torch.compile(self.model, backend=self.counter.backend)

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -33,6 +33,11 @@ from lightning_ckpt.decide.report import ledger_report, length_reading, report_t
 from lightning_ckpt.decide.safety import preflight
 from lightning_ckpt.decide.verify import verify_equivalence
 from lightning_ckpt.lightning import conflicts, shims
+from lightning_ckpt.lightning.compiled import (
+    blocks_in_one_compiled_graph,
+    compile_blocks_one_by_one,
+    compiled_block_caller,
+)
 from lightning_ckpt.lightning.metrics import block_metrics, log_metrics, reduce_across_ranks, tensorboard_layout
 from lightning_ckpt.lightning.recovery import StepGuard
 from lightning_ckpt.lightning.settings import Settings
@@ -44,8 +49,7 @@ from lightning_ckpt.measure.tokens import count_samples, sequence_length
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
-__all__ = ["REPORT_FILE", "STATE_VERSION", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine",
-           "blocks_in_one_compiled_graph", "compiled_block_caller"]
+__all__ = ["REPORT_FILE", "STATE_VERSION", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
 
 REPORT_FILE = "lightning_ckpt_report.json"
 STATE_VERSION = 1
@@ -56,47 +60,10 @@ WHOLE_MODEL_COMPILE_BUDGET = (
     "lightning_ckpt: policy {spec!r} with the whole model under torch.compile: the plan is verified on eager "
     "reference steps, and one compiled graph around every block holds more activation memory than eager at the same "
     "plan (measured for 'all': +3 % to +24 % on the demo GPT, +26 % on a Hugging Face Llama; README, Compile and "
-    "mixed precision), so the budget can be exceeded by that much. Compile block by block (block.compile()) to keep "
-    "the budget's figures true, or leave the choice to the compiler: policy='none' and "
+    "mixed precision), so the budget can be exceeded by that much. Pass compile_blocks=True (or compile block by "
+    "block yourself: block.compile()) to keep the budget's figures true and let it choose the compiler's budget per "
+    "block, or leave the choice to the compiler: policy='none' and "
     "torch._functorch.config.activation_memory_budget = <fraction>, lowered until the run fits.")
-
-
-def blocks_in_one_compiled_graph(pl_module: "pl.LightningModule", blocks) -> bool:
-    """Whether two or more blocks run inside one ``torch.compile``d module: the whole model compiled (in
-    ``configure_model``, or by ``trainer.fit(torch.compile(model))``, which Lightning records in ``_compiler_ctx``),
-    not block by block (``block.compile()`` or one ``torch.compile`` per block)."""
-    if getattr(pl_module, "_compiler_ctx", None):
-        return True
-    ids = {id(b) for b in blocks}
-    for module in pl_module.modules():
-        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
-            if sum(id(m) in ids for m in module._orig_mod.modules()) > 1:
-                return True
-    return False
-
-
-def compiled_block_caller(pl_module: "pl.LightningModule", blocks) -> Optional[Callable]:
-    """How the budget's calibration runs one block as training runs it, when the blocks run compiled (``None``
-    when they run eagerly): the block itself after ``block.compile()``, its ``torch.compile`` wrapper when the
-    parent holds one, and, when the whole model is one compiled graph (where a block's code is only reachable
-    inside that graph), the block alone compiled with the whole model's backend and options. ``None`` too when the
-    model is sharded by FSDP: one block run alone would gather its parameters outside the root module's forward,
-    which FSDP's state machine does not expect (those runs keep timing blocks inside the training step)."""
-    if any(conflicts.is_fsdp_module(m) for m in pl_module.modules()):
-        return None
-    eval_frame = torch._dynamo.eval_frame
-    wrappers = [m for m in pl_module.modules() if isinstance(m, eval_frame.OptimizedModule)]
-    by_block = {id(m._orig_mod): m for m in wrappers}
-    if blocks_in_one_compiled_graph(pl_module, blocks):
-        first = blocks[0] if blocks else None
-        holders = [m.dynamo_ctx for m in wrappers if any(b is first for b in m._orig_mod.modules())]
-        ctx = holders[0] if holders else (getattr(pl_module, "_compiler_ctx", None) or {}).get("dynamo_ctx")
-        return (lambda block: eval_frame.OptimizedModule(block, ctx)) if ctx is not None else torch.compile
-    if any(id(b) in by_block for b in blocks):
-        return lambda block: by_block.get(id(block), block)
-    if any(getattr(b, "_compiled_call_impl", None) is not None for b in blocks):
-        return lambda block: block
-    return None
 
 
 class CheckpointingEngine:
@@ -182,6 +149,9 @@ class CheckpointingEngine:
         self.plan = apply_policy(model, self.policy, self.settings.blocks, preserve_rng_state=o.preserve_rng_state,
                                  determinism_check=o.determinism_check, debug=o.debug)
         self._applied_in_run = True
+        if self.settings.compile_blocks:
+            for change in compile_blocks_one_by_one(model, self.plan.blocks):
+                self.info(f"compile_blocks: {change}")
         self.capacity = self.settings.capacity_bytes or device_capacity(trainer.strategy.root_device)
         if self.settings.auto_threshold is not None:
             self.controller = Controller(threshold=resolve_threshold(self.settings.auto_threshold, self.capacity),
@@ -249,8 +219,9 @@ class CheckpointingEngine:
         if blocks_in_one_compiled_graph(pl_module, self.plan.blocks):
             raise ValueError(
                 f"policy {self.policy.spec!r} puts blocks in modes {modes}, but the whole model is one compiled graph, "
-                "where PyTorch applies one activation memory budget covering the whole graph. Compile block by block "
-                "(for block in blocks: block.compile()) instead of torch.compile(model), or use the modes "
+                "where PyTorch applies one activation memory budget covering the whole graph. Pass compile_blocks=True "
+                "(each block its own graph, with your backend and options), compile block by block yourself (for "
+                "block in blocks: block.compile()) instead of torch.compile(model), or use the modes "
                 f"{[m for m in MODES if m != 'offload']} with a whole-model compile.")
         sharded = any(conflicts.is_fsdp_module(m) for m in pl_module.modules())  # no block caller: not "eager"
         if compiled_block_caller(pl_module, self.plan.blocks) is None and not sharded:

@@ -49,6 +49,7 @@ class Settings:
     stateful: str = "warn"
     verify: bool = False
     report: bool = True
+    compile_blocks: bool = False
     start: Policy = field(init=False)
     budget: Optional[BudgetPolicy] = field(init=False)
     options: CheckpointOptions = field(init=False)
@@ -93,7 +94,7 @@ class Settings:
                              "auto-toggle decisions).")
         if not isinstance(self.prefix, str):
             raise TypeError(f"prefix={self.prefix!r} must be a string such as 'ac' (or '' for none).")
-        for name in ("measure", "verify", "report"):
+        for name in ("measure", "verify", "report", "compile_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.tokens_fn is not None and not callable(self.tokens_fn):

@@ -84,6 +84,7 @@ class ActivationCheckpointingMixin:
         stateful: Literal["warn", "skip", "error"] = "warn",
         verify: bool = False,
         report: bool = True,
+        compile_blocks: bool = False,
         **kwargs: Any,
     ) -> None:
         callback = ActivationCheckpointing(
@@ -91,7 +92,7 @@ class ActivationCheckpointingMixin:
             debug=debug, measure=measure, exact_every_n_steps=exact_every_n_steps, tokens_fn=tokens_fn,
             prefix=prefix, auto_threshold=auto_threshold, capacity=capacity, ladder=ladder, release=release,
             cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom, stateful=stateful,
-            verify=verify, report=report)
+            verify=verify, report=report, compile_blocks=compile_blocks)
         callback._engine.owner = type(self).__name__
         super().__init__(*args, **kwargs)
         self.checkpointing = callback

@@ -130,6 +130,7 @@ def test_policy_object_is_accepted_and_reported_as_its_string(tmp_path):
         ({"preserve_rng_state": "yes"}, TypeError, r"preserve_rng_state='yes'"),
         ({"blocks": 3}, TypeError, r"blocks=3.*class name"),
         ({"blocks": []}, ValueError, r"blocks=\[\]"),
+        ({"compile_blocks": "yes"}, TypeError, r"compile_blocks='yes' must be True or False"),
     ],
 )
 def test_bad_arguments_raise_in_init(kwargs, error, match):

@@ -6,42 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _lightning_models import trainer_kwargs
+from _lightning_models import CompiledGPT, GraphCount, trainer_kwargs
 from lightning.pytorch import Callback, Trainer, seed_everything
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.data import DataLoader
 
 from lightning_ckpt import ActivationCheckpointing
 from lightning_ckpt.demos import GPTLightningModule
 
 T = 32
-
-
-class GraphCount:
-    """A compile backend (AOTAutograd, min-cut partitioner) that counts the forward graphs it compiles."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-        def forward_compiler(gm, example_inputs):
-            self.graphs += 1
-            return gm.forward
-
-        self.backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: gm.forward,
-                                    partition_fn=min_cut_rematerialization_partition)
-
-
-class CompiledGPT(GPTLightningModule):
-    """Compiles its model in ``configure_model``, as a Lightning user does."""
-
-    def __init__(self, counter: GraphCount, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.counter = counter
-
-    def configure_model(self) -> None:
-        if not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
-            self.model = torch.compile(self.model, backend=self.counter.backend)
 
 
 class PlanSequence(Callback):
@@ -131,70 +103,6 @@ def test_the_cpp_backend_trains_with_a_changing_plan(tmp_path, backend):
     cb = ActivationCheckpointing(policy="none")
     _fit(tmp_path, model, [cb, PlanSequence(cb, {2: "all", 4: "selective"})], steps=6)
     assert cb.last_metrics["memory/activations_gib"] > 0
-
-
-def test_whole_model_compile_is_told_apart_from_block_by_block():
-    from lightning_ckpt.core.blocks import find_blocks
-    from lightning_ckpt.lightning.engine import blocks_in_one_compiled_graph
-
-    model = _model()
-    blocks = [b for _, b in find_blocks(model)]
-    assert len(blocks) == 2 and not blocks_in_one_compiled_graph(model, blocks)
-    for block in blocks:  # the torchtitan / FSDP2 way: each block its own graph
-        block.compile(backend="eager")
-    assert not blocks_in_one_compiled_graph(model, blocks)
-    inner = model.model
-    model.model = torch.compile(inner, backend="eager")  # in configure_model: one graph around every block
-    assert blocks_in_one_compiled_graph(model, blocks)
-    model.model = inner
-    model._compiler_ctx = {"compiler": "dynamo"}  # trainer.fit(torch.compile(model)): Lightning's record of it
-    assert blocks_in_one_compiled_graph(model, blocks)
-
-
-def test_the_budget_times_blocks_the_way_they_run():
-    """The calibration's block caller: none when the blocks run eagerly, the block itself after ``block.compile()``,
-    the wrapper a parent holds after ``torch.compile(block)``, and the block alone compiled with the whole model's
-    own backend and options when the whole model is one graph."""
-    from lightning_ckpt.core.blocks import find_blocks
-    from lightning_ckpt.lightning.engine import compiled_block_caller
-
-    model = _model()
-    blocks = [b for _, b in find_blocks(model)]
-    assert compiled_block_caller(model, blocks) is None
-    for block in blocks:
-        block.compile(backend="eager")
-    assert compiled_block_caller(model, blocks)(blocks[1]) is blocks[1]
-    for block in blocks:
-        block._compiled_call_impl = None
-    held = model.model.transformer.h
-    wrappers = [torch.compile(block, backend="eager") for block in blocks]
-    for i, wrapper in enumerate(wrappers):
-        held[i] = wrapper
-    assert compiled_block_caller(model, blocks)(blocks[1]) is wrappers[1]
-    for i, block in enumerate(blocks):
-        held[i] = block
-    counter = GraphCount()
-    whole = torch.compile(model.model, backend=counter.backend)
-    model.model = whole
-    caller = compiled_block_caller(model, blocks)(blocks[0])
-    assert isinstance(caller, torch._dynamo.eval_frame.OptimizedModule) and caller._orig_mod is blocks[0]
-    assert caller.dynamo_ctx is whole.dynamo_ctx  # the user's backend and options, not a default compile
-
-
-def test_sharded_blocks_keep_timing_inside_the_step(monkeypatch):
-    """Under FSDP one block run alone would gather its parameters outside the root's forward: no block caller,
-    the calibration times blocks inside its training steps (eagerly) as without compile."""
-    from lightning_ckpt.core.blocks import find_blocks
-    from lightning_ckpt.lightning import conflicts
-    from lightning_ckpt.lightning.engine import compiled_block_caller
-
-    model = _model()
-    blocks = [b for _, b in find_blocks(model)]
-    for block in blocks:
-        block.compile(backend="eager")
-    assert compiled_block_caller(model, blocks) is not None
-    monkeypatch.setattr(conflicts, "is_fsdp_module", lambda module: module is blocks[0])
-    assert compiled_block_caller(model, blocks) is None
 
 
 @pytest.mark.timeout(400)

@@ -1,0 +1,123 @@
+"""How the blocks run under ``torch.compile``: all in one whole-model graph, or each block its own graph, and the
+switch from the first to the second (``compile_blocks=True``).
+
+Why the switch exists. One compiled graph around every block (``torch.compile(model)`` in ``configure_model``, or
+``trainer.fit(torch.compile(model))``) has one backward graph for the whole model, and inductor's lowering of it
+keeps buffers longer than eager autograd does: a checkpointed model holds 17-26 % more activation memory than
+eager at the same plan on the CPU (README, Compile and mixed precision), the plan's figures are verified on eager
+reference steps and so read low, and PyTorch's activation memory budget is one fraction for the whole graph. A
+graph break at each block boundary does not help: dynamo cannot resume after a break inside the model's loop over
+its blocks and runs that whole frame eagerly. Compiling each block as its own graph (``block.compile()``, the
+torchtitan / FSDP2 way) keeps eager's activation memory for ``all``, makes every activation figure true and lets the
+budget choose the compiler's budget per block (``compiler:<f>``). ``compile_blocks=True`` does it for the user:
+the whole-model compile's backend and options are reused, and its wrapper stays in place (so ``state_dict()`` keys
+do not change) but calls the model uncompiled; the modules outside the blocks (embedding, head, loss) then run
+eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_ckpt.lightning import conflicts
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+__all__ = ["blocks_in_one_compiled_graph", "compile_blocks_one_by_one", "compiled_block_caller"]
+
+# set on a whole-model wrapper whose graph compile_blocks_one_by_one replaced by per-block graphs
+_UNROLLED = "_lightning_ckpt_blocks_compiled"
+
+
+def _wrappers(pl_module: nn.Module) -> Iterator[nn.Module]:
+    """The ``torch.compile`` wrappers in the module tree that still compile what they wrap."""
+    for module in pl_module.modules():
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) and not module.__dict__.get(_UNROLLED):
+            yield module
+
+
+def _holds_blocks(wrapper: nn.Module, blocks: Sequence[nn.Module]) -> bool:
+    ids = {id(b) for b in blocks}
+    return sum(id(m) in ids for m in wrapper._orig_mod.modules()) > 1
+
+
+def blocks_in_one_compiled_graph(pl_module: "pl.LightningModule", blocks: Sequence[nn.Module]) -> bool:
+    """Whether two or more blocks run inside one ``torch.compile``d module: the whole model compiled (in
+    ``configure_model``, or by ``trainer.fit(torch.compile(model))``, which Lightning records in ``_compiler_ctx``),
+    not block by block (``block.compile()`` or one ``torch.compile`` per block)."""
+    if getattr(pl_module, "_compiler_ctx", None):
+        return True
+    return any(_holds_blocks(w, blocks) for w in _wrappers(pl_module))
+
+
+def compiled_block_caller(pl_module: "pl.LightningModule", blocks: Sequence[nn.Module]) -> Optional[Callable]:
+    """How the budget's calibration runs one block as training runs it, when the blocks run compiled (``None``
+    when they run eagerly): the block itself after ``block.compile()``, its ``torch.compile`` wrapper when the
+    parent holds one, and, when the whole model is one compiled graph (where a block's code is only reachable
+    inside that graph), the block alone compiled with the whole model's backend and options. ``None`` too when the
+    model is sharded by FSDP: one block run alone would gather its parameters outside the root module's forward,
+    which FSDP's state machine does not expect (those runs keep timing blocks inside the training step)."""
+    if any(conflicts.is_fsdp_module(m) for m in pl_module.modules()):
+        return None
+    eval_frame = torch._dynamo.eval_frame
+    wrappers = list(_wrappers(pl_module))
+    by_block = {id(m._orig_mod): m for m in wrappers}
+    if blocks_in_one_compiled_graph(pl_module, blocks):
+        ctx = _whole_model_context(pl_module, blocks)
+        return (lambda block: eval_frame.OptimizedModule(block, ctx)) if ctx is not None else torch.compile
+    if any(id(b) in by_block for b in blocks):
+        return lambda block: by_block.get(id(block), block)
+    if any(getattr(b, "_compiled_call_impl", None) is not None for b in blocks):
+        return lambda block: block
+    return None
+
+
+def _whole_model_context(pl_module: "pl.LightningModule", blocks: Sequence[nn.Module]):
+    """The backend and options (a dynamo context) of the compile that holds the blocks in one graph, if any."""
+    first = blocks[0] if blocks else None
+    holders = [w.dynamo_ctx for w in _wrappers(pl_module) if any(b is first for b in w._orig_mod.modules())]
+    return holders[0] if holders else (getattr(pl_module, "_compiler_ctx", None) or {}).get("dynamo_ctx")
+
+
+def compile_blocks_one_by_one(pl_module: "pl.LightningModule", blocks: Sequence[nn.Module]) -> List[str]:
+    """Give every block its own compiled graph, as ``block.compile()`` does; returns what was changed, for the log.
+
+    A whole-model compile is turned into per-block graphs with the same backend and options: a wrapper held in the
+    module tree keeps its place and its parameters' names but calls the model uncompiled, and
+    ``trainer.fit(torch.compile(model))`` is undone with Lightning's ``to_uncompiled``. Blocks already compiled one
+    by one are left as they are; without any compile the blocks get ``torch.compile``'s defaults. Idempotent.
+
+    Raises:
+        ValueError: the model is sharded by FSDP (its hooks would be traced inside each block's graph).
+    """
+    if any(conflicts.is_fsdp_module(m) for m in pl_module.modules()):
+        raise ValueError(
+            "compile_blocks=True on a model sharded by FSDP: a block compiled after fully_shard() runs FSDP's hooks "
+            "inside its graph, which dynamo cannot trace (the block's body then runs eagerly). Leave "
+            "compile_blocks=False and compile in configure_model yourself: torch.compile(model) after sharding, or "
+            "each block before its fully_shard() (the torchtitan order).")
+    done: List[str] = []
+    ctx = _whole_model_context(pl_module, blocks) if blocks_in_one_compiled_graph(pl_module, blocks) else None
+    if getattr(pl_module, "_compiler_ctx", None):
+        from lightning.pytorch.utilities.compile import to_uncompiled
+
+        to_uncompiled(pl_module)
+        done.append("the LightningModule's whole-model compile (trainer.fit(torch.compile(model))) undone")
+    for wrapper in [w for w in _wrappers(pl_module) if _holds_blocks(w, blocks)]:
+        wrapper.forward = wrapper._orig_mod.__call__  # the wrapper stays (state_dict keys); its graph goes
+        wrapper.__dict__[_UNROLLED] = True
+        done.append(f"the whole-model graph of {type(wrapper._orig_mod).__name__} replaced (its modules outside the "
+                    "blocks run eagerly)")
+    own = {id(w._orig_mod) for w in _wrappers(pl_module)}
+    compile_fn = ctx if ctx is not None else torch.compile
+    fresh = [b for b in blocks if getattr(b, "_compiled_call_impl", None) is None and id(b) not in own]
+    for block in fresh:
+        block._compiled_call_impl = compile_fn(block._call_impl)  # what nn.Module.compile() does
+    if fresh:
+        how = "with the whole model's backend and options" if ctx is not None else "with torch.compile's defaults"
+        done.append(f"{len(fresh)} of {len(blocks)} blocks compiled one by one {how}")
+    return done

@@ -1,0 +1,173 @@
+"""How the blocks run under ``torch.compile`` (:mod:`lightning_ckpt.lightning.compiled`): one whole-model graph told
+apart from one graph per block, the block caller the budget times with, and ``compile_blocks=True`` turning a
+whole-model compile into per-block graphs (same backend, same ``state_dict()`` keys, the budget's compiler modes
+allowed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _lightning_models import CompiledGPT, GraphCount, trainer_kwargs
+from lightning.pytorch import Trainer, seed_everything
+from torch.utils.data import DataLoader
+
+from lightning_ckpt import ActivationCheckpointing, apply_policy
+from lightning_ckpt.core.blocks import find_blocks
+from lightning_ckpt.demos import GPTLightningModule
+from lightning_ckpt.lightning.compiled import (
+    blocks_in_one_compiled_graph,
+    compile_blocks_one_by_one,
+    compiled_block_caller,
+)
+
+T = 32
+
+
+def _model(counter=None):
+    seed_everything(0)
+    kwargs = dict(n_layer=2, n_embd=32, n_head=2, block_size=T, dropout=0.0)
+    return CompiledGPT(counter, **kwargs) if counter is not None else GPTLightningModule(**kwargs)
+
+
+def _step(model):
+    batch = model.example_batch(2, T)
+    loss = model.compute_loss(batch)
+    loss.backward()
+    return loss.detach()
+
+
+def test_whole_model_compile_is_told_apart_from_block_by_block():
+
+    model = _model()
+    blocks = [b for _, b in find_blocks(model)]
+    assert len(blocks) == 2 and not blocks_in_one_compiled_graph(model, blocks)
+    for block in blocks:  # the torchtitan / FSDP2 way: each block its own graph
+        block.compile(backend="eager")
+    assert not blocks_in_one_compiled_graph(model, blocks)
+    inner = model.model
+    model.model = torch.compile(inner, backend="eager")  # in configure_model: one graph around every block
+    assert blocks_in_one_compiled_graph(model, blocks)
+    model.model = inner
+    model._compiler_ctx = {"compiler": "dynamo"}  # trainer.fit(torch.compile(model)): Lightning's record of it
+    assert blocks_in_one_compiled_graph(model, blocks)
+
+
+def test_the_budget_times_blocks_the_way_they_run():
+    """The calibration's block caller: none when the blocks run eagerly, the block itself after ``block.compile()``,
+    the wrapper a parent holds after ``torch.compile(block)``, and the block alone compiled with the whole model's
+    own backend and options when the whole model is one graph."""
+
+    model = _model()
+    blocks = [b for _, b in find_blocks(model)]
+    assert compiled_block_caller(model, blocks) is None
+    for block in blocks:
+        block.compile(backend="eager")
+    assert compiled_block_caller(model, blocks)(blocks[1]) is blocks[1]
+    for block in blocks:
+        block._compiled_call_impl = None
+    held = model.model.transformer.h
+    wrappers = [torch.compile(block, backend="eager") for block in blocks]
+    for i, wrapper in enumerate(wrappers):
+        held[i] = wrapper
+    assert compiled_block_caller(model, blocks)(blocks[1]) is wrappers[1]
+    for i, block in enumerate(blocks):
+        held[i] = block
+    counter = GraphCount()
+    whole = torch.compile(model.model, backend=counter.backend)
+    model.model = whole
+    caller = compiled_block_caller(model, blocks)(blocks[0])
+    assert isinstance(caller, torch._dynamo.eval_frame.OptimizedModule) and caller._orig_mod is blocks[0]
+    assert caller.dynamo_ctx is whole.dynamo_ctx  # the user's backend and options, not a default compile
+
+
+def test_sharded_blocks_keep_timing_inside_the_step(monkeypatch):
+    """Under FSDP one block run alone would gather its parameters outside the root's forward: no block caller,
+    the calibration times blocks inside its training steps (eagerly) as without compile."""
+    from lightning_ckpt.lightning import conflicts
+
+    model = _model()
+    blocks = [b for _, b in find_blocks(model)]
+    for block in blocks:
+        block.compile(backend="eager")
+    assert compiled_block_caller(model, blocks) is not None
+    monkeypatch.setattr(conflicts, "is_fsdp_module", lambda module: module is blocks[0])
+    assert compiled_block_caller(model, blocks) is None
+
+
+def test_compile_blocks_turns_a_whole_model_graph_into_one_graph_per_block():
+    counter = GraphCount()
+    model = _model(counter)
+    model.configure_model()  # torch.compile(model.model, backend=counter.backend), as the user wrote it
+    blocks = [b for _, b in find_blocks(model)]
+    keys = list(model.state_dict())
+    reference = _model()
+    apply_policy(reference, "all")
+    apply_policy(model, "all")
+    assert blocks_in_one_compiled_graph(model, blocks)
+
+    changes = compile_blocks_one_by_one(model, blocks)
+
+    assert any("whole-model graph of GPT replaced" in c for c in changes), changes
+    assert any("2 of 2 blocks compiled one by one with the whole model's backend" in c for c in changes), changes
+    assert not blocks_in_one_compiled_graph(model, blocks)
+    assert list(model.state_dict()) == keys  # the wrapper stays: checkpoints keep their keys
+    assert compiled_block_caller(model, blocks)(blocks[0]) is blocks[0]
+    loss, expected = _step(model), _step(reference)
+    # one graph for the block class (both blocks share it), none for the whole model: the user's backend compiled it
+    assert counter.graphs == 1, counter.graphs
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert compile_blocks_one_by_one(model, blocks) == []  # idempotent: fit twice compiles nothing twice
+
+
+def test_compile_blocks_undoes_trainer_fit_of_a_compiled_lightning_module_and_compiles_plain_blocks():
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    counter = GraphCount()
+    model = from_compiled(torch.compile(_model(), backend=counter.backend))  # what trainer.fit(compiled) does
+    blocks = [b for _, b in find_blocks(model)]
+    assert blocks_in_one_compiled_graph(model, blocks)
+    changes = compile_blocks_one_by_one(model, blocks)
+    assert model._compiler_ctx is None and not blocks_in_one_compiled_graph(model, blocks), changes
+    _step(model)
+    assert counter.graphs == 1, counter.graphs  # the block class's graph, with the user's backend
+
+    plain = _model()
+    blocks = [b for _, b in find_blocks(plain)]
+    assert compile_blocks_one_by_one(plain, blocks) == ["2 of 2 blocks compiled one by one with torch.compile's "
+                                                        "defaults"]
+    assert all(b._compiled_call_impl is not None for b in blocks)
+
+
+def _fit(tmp_path, model, cb, steps=2):
+    trainer = Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=steps, log_every_n_steps=1,
+                                                       limit_val_batches=0, num_sanity_val_steps=0))
+    trainer.fit(model, train_dataloaders=DataLoader([model.example_batch(2, T)] * steps, batch_size=None))
+    return trainer
+
+
+def test_compile_blocks_lets_a_whole_model_compile_use_the_compilers_budget_per_block(tmp_path):
+    """Without the flag the compiler's per-block budget is refused in a whole-model graph; with it the same model
+    trains, each block in its own graph under its budget, and the activation line is logged."""
+    with pytest.raises(ValueError, match=r"whole model is one compiled graph.*compile_blocks=True"):
+        _fit(tmp_path / "refused", _model(GraphCount()), ActivationCheckpointing(policy="modes:off,compiler:0.5"))
+    counter = GraphCount()
+    model = _model(counter)
+    cb = ActivationCheckpointing(policy="modes:off,compiler:0.5", compile_blocks=True)
+    _fit(tmp_path / "per-block", model, cb, steps=3)
+    assert tuple(cb.plan.modes) == ("off", "compiler:0.5")
+    assert not blocks_in_one_compiled_graph(model, cb.plan.blocks)
+    assert 1 <= counter.graphs <= 2, counter.graphs  # one per block mode: off and compiler:0.5, no whole graph
+    assert cb.last_metrics["memory/activations_gib"] > 0
+
+
+def test_compile_blocks_is_refused_on_a_model_sharded_by_fsdp(monkeypatch):
+    from lightning_ckpt.lightning import conflicts
+
+    model = _model()
+    blocks = [b for _, b in find_blocks(model)]
+    monkeypatch.setattr(conflicts, "is_fsdp_module", lambda module: module is blocks[0])
+    with pytest.raises(ValueError, match=r"compile_blocks=True on a model sharded by FSDP.*fully_shard"):
+        compile_blocks_one_by_one(model, blocks)
+    assert all(b._compiled_call_impl is None for b in blocks)
