@@ -15,8 +15,9 @@ Run from the repository root::
 
 What it measures, per precision and policy, for the same model and batch:
 
-* **Step time**: forward + backward (no optimizer), rounds interleaved eager / compiled / per block / compile_blocks (and
-  reversed); each compiled time over the eager time *of the same round*, median over rounds (and the range).
+* **Step time**: forward + backward (no optimizer), rounds interleaved eager / compiled / per block /
+  compile_blocks (and reversed); each compiled time over the eager time *of the same round*, median over rounds (and
+  the range).
 * **Activation peak**: the peak of the bytes the CPU allocator holds for the step above what it held before the
   step (gradients already allocated, kept with ``zero_grad(set_to_none=False)``: the gradient-accumulation case),
   read from the PyTorch profiler's allocation events (``profile_memory=True``), less the buffers that carried a new
