@@ -24,10 +24,11 @@ For each model (the benchmark GPT at a CPU size, a Hugging Face Llama built from
    time in the same round (paired, so a slow drift of this shared machine cancels; its range is reported).
 
 Targets per budget: our plan's measured peak ≤ budget (fits), and its step time ≤ 1.00× the fastest anchor that
-fits (≤ 1.02× reads as a tie on this noisy machine). ``--compile [model,block]`` adds, per budget, the compiler's
-activation memory budget at the same fraction of ``none``'s peak against our plan compiled, for the whole model
-compiled and for blocks compiled one by one (memory there: the CPU allocator's activation peak, which sees inside a
-compiled graph; see :func:`compiled_rows`).
+fits (≤ 1.02× reads as a tie on this noisy machine). ``--compile [model,block,split]`` adds, per budget, the
+compiler's activation memory budget at the same fraction of ``none``'s peak against our plan compiled, for the whole
+model compiled, for blocks compiled one by one, and (``split``) for the user's whole-model compile, which the
+compiler's budget runs as one graph and our plan, with ``compile_blocks=True``, as one graph per block (memory
+there: the CPU allocator's activation peak, which sees inside a compiled graph; see :func:`compiled_rows`).
 
 Usage::
 
@@ -35,6 +36,7 @@ Usage::
     python benchmarks/frontier.py --quick            # small models, 4 budgets, 2 rounds (smoke)
     python benchmarks/frontier.py --models gpt --precisions 32-true --compile           # model and block grain
     python benchmarks/frontier.py --small --models gpt --precisions 32-true --compile block
+    python benchmarks/frontier.py --small --models gpt --precisions bf16-mixed --compile split  # compile_blocks
     python benchmarks/frontier.py --small --precisions bf16-mixed --rounds 3   # bf16 autocast at a CPU size
 """
 
@@ -350,7 +352,9 @@ def run_case(model_name: str, precision: str, args) -> Dict[str, Any]:
     return result
 
 
-GRAINS = ("model", "block")
+GRAINS = ("model", "block", "split")
+GRAIN_TITLES = {"model": "torch.compile(model)", "block": "block.compile() per block",
+                "split": "torch.compile(model) for the compiler's budget; split, compile_blocks=True, for ours"}
 REGION_BUDGET = "_bench_region_budget"  # the compiler's budget of a compiled graph (None: not set)
 
 
@@ -372,8 +376,13 @@ def _region_budgeted(block: torch.nn.Module) -> Callable:
 
 
 class CompiledGrain:
-    """The benchmark model compiled at one grain: ``model`` (``torch.compile`` of the whole model) or ``block``
-    (``block.compile()`` per block, the torchtitan / FSDP2 way). The compiler's budget is the compiled graph's
+    """The benchmark model compiled at one grain: ``model`` (``torch.compile`` of the whole model), ``block``
+    (``block.compile()`` per block, the torchtitan / FSDP2 way), or ``split``: the user's ``torch.compile(model)``
+    for the compiler's budget (one whole-model graph, as in ``model``) and, for our plan, that compile split into one
+    graph per block as ``compile_blocks=True`` does (``torch.compile``'s defaults per block, what
+    :func:`lightning_ckpt.lightning.compiled.compile_blocks_one_by_one` gives a default whole-model compile; both
+    compiled objects live side by side, so the variants still alternate round by round). The compiler's budget is
+    the compiled graph's
     ``region_activation_memory_budget`` (the whole model's forward, or each block's), set through
     :func:`_region_budgeted`: it overrides ``torch._functorch.config.activation_memory_budget`` for that graph, and
     dynamo guards on it, so each fraction gets its own graph (a config patch is not guarded: a second fraction would
@@ -386,21 +395,23 @@ class CompiledGrain:
         for module in self.budgeted:
             setattr(module, REGION_BUDGET, None)
             module.forward = _region_budgeted(module)
-        if grain == "block":
+        if grain != "model":
             for block in bench.blocks:
                 block.compile()
-        else:
-            bench.module.model = torch.compile(self.inner)
+        self.whole = torch.compile(self.inner) if grain != "block" else None
+        bench.module.model = self.whole if grain == "model" else self.inner
 
     def block_caller(self) -> Callable:
-        """What the callback passes to the calibration for this grain (``engine.compiled_block_caller``)."""
-        return (lambda block: block) if self.grain == "block" else torch.compile
+        """What the callback passes to the calibration for this grain (``compiled.compiled_block_caller``)."""
+        return torch.compile if self.grain == "model" else (lambda block: block)
 
     def use(self, plan, modes: Sequence[str], fraction: Optional[float]) -> None:
         """Set a variant: our modes, or every block off under the compiler's budget ``fraction``."""
         plan.set_modes(list(modes))
         for module in self.budgeted:
             setattr(module, REGION_BUDGET, None if fraction is None else repr(fraction))
+        if self.grain == "split":  # the compiler's budget runs the whole-model graph, our plan the per-block ones
+            self.bench.module.model = self.whole if fraction is not None else self.inner
 
     def peak(self, plan, modes: Sequence[str], fraction: Optional[float]) -> int:
         """Compile a variant (one step) and read its activation peak from the CPU allocator."""
@@ -468,12 +479,12 @@ def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, eager_en
     compiled = CompiledGrain(bench, grain)
     try:
         # the compiler's budget per block exists only where each block is its own graph (engine.fit_start)
-        fractions = COMPILER_FRACTIONS if grain == "block" else ()
+        fractions = COMPILER_FRACTIONS if grain != "model" else ()
         _, calibration, measured = our_costs(bench, compiled.block_caller(), fractions)
     finally:
         compiled.close()
     ends = compiled_ends(bench, grain)
-    modes = (*EAGER_MODES, "compiler") if grain == "block" else EAGER_MODES
+    modes = (*EAGER_MODES, "compiler") if grain != "model" else EAGER_MODES
     ours = fit_plans(bench, budgets, calibration.costs(), calibration.base, measured, modes,
                      calibration.compiled_savings)
     rows = []
@@ -562,7 +573,7 @@ def print_case(result: Dict[str, Any]) -> None:
         rows = [r for r in result.get("compiled", []) if r["grain"] == grain]
         if not rows:
             continue
-        print(f"\ncompiled ({'torch.compile(model)' if grain == 'model' else 'block.compile() per block'}): our "
+        print(f"\ncompiled ({GRAIN_TITLES[grain]}): our "
               "plan vs the compiler's memory budget at fraction = budget / none's peak ('same'), lowered until it "
               "fits when it does not ('lowered'); peaks by the CPU allocator, MiB ('allocator': the budget in its "
               "units); ratio: ours over the fitting compiler plan, paired per round")

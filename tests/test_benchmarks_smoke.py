@@ -100,6 +100,29 @@ def test_frontier_compiled_rows_at_block_grain(tmp_path):
         assert row["verdict"].split()[0] in ("PASS", "TIE", "MISS"), row
 
 
+@pytest.mark.timeout(400)
+def test_frontier_compiled_rows_for_a_whole_model_compile_split_by_compile_blocks(tmp_path):
+    """``--compile split``: the compiler's budget runs the user's whole-model graph, our plan the same model split
+    into per-block graphs (``compile_blocks=True``), with the compiler's budget per block among its modes; at
+    ``all``'s budget ours keeps what per-block ``all`` keeps, and the whole-model graph at the same fraction holds
+    more."""
+    out = tmp_path / "frontier.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--quick", "--budgets", "2", "--models", "gpt",
+         "--precisions", "32-true", "--compile", "split", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=390,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "split, compile_blocks=True, for ours" in proc.stdout
+    (case,) = json.loads(out.read_text())
+    low, high = case["compiled"]
+    assert low["grain"] == high["grain"] == "split"
+    assert {"compiler:0", "compiler:0.5"} <= set(low["block_seconds"]["Block"])
+    assert low["ours_peak"] == pytest.approx(low["compiled_ends"]["all"], rel=0.05) and low["ours_fits"]
+    assert low["compile_peak"] > low["ours_peak"]  # one whole-model graph holds more at the tightest budget
+    assert low["compile_peak"] < high["compile_peak"]
+
+
 def _compile_benchmark():
     import importlib.util
 

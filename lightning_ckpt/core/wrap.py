@@ -119,16 +119,17 @@ class _BlockForward:
         self.mode = "off"
         self.region: Optional[GroupRegion] = None
         prior = block.__dict__.get("forward")
-        # an instance-level forward set by someone else (e.g. accelerate hooks) must keep running
-        if inspect.ismethod(prior) and prior.__self__ is block:
-            prior = prior.__func__
-        self.prior = prior
+        # an instance-level forward set by someone else (e.g. accelerate hooks) must keep running: a method bound to
+        # the block is kept unbound (called with the block), any other callable (torch.compile's wrapper forward)
+        # is called as nn.Module calls it, without the block
+        self.bind = inspect.ismethod(prior) and prior.__self__ is block
+        self.prior = prior.__func__ if self.bind else prior
 
     def run(self, *args, **kwargs):
         """The block's own forward, whatever the mode."""
         if self.prior is None:
             return type(self.block).forward(self.block, *args, **kwargs)
-        if inspect.isfunction(self.prior):
+        if self.bind:
             return self.prior(self.block, *args, **kwargs)
         return self.prior(*args, **kwargs)
 
@@ -295,7 +296,7 @@ class CheckpointPlan:
                 if fwd.prior is None:
                     del fwd.block.forward
                 else:
-                    fwd.block.forward = fwd.prior.__get__(fwd.block) if inspect.isfunction(fwd.prior) else fwd.prior
+                    fwd.block.forward = fwd.prior.__get__(fwd.block) if fwd.bind else fwd.prior
         for config in self._cache_configs:  # what apply_policy changed is given back (save_pretrained sees it)
             config.use_cache = True
         self._cache_configs = []

@@ -98,8 +98,9 @@ def compile_blocks_one_by_one(pl_module: "pl.LightningModule", blocks: Sequence[
         raise ValueError(
             "compile_blocks=True on a model sharded by FSDP: a block compiled after fully_shard() runs FSDP's hooks "
             "inside its graph, which dynamo cannot trace (the block's body then runs eagerly). Leave "
-            "compile_blocks=False and compile in configure_model yourself: torch.compile(model) after sharding, or "
-            "each block before its fully_shard() (the torchtitan order).")
+            "compile_blocks=False and compile in configure_model yourself: each block wrapped before its fully_shard() "
+            "(the torchtitan order: layers[i] = torch.compile(layer), then fully_shard(layers[i])), or "
+            "torch.compile(model) after sharding.")
     done: List[str] = []
     ctx = _whole_model_context(pl_module, blocks) if blocks_in_one_compiled_graph(pl_module, blocks) else None
     if getattr(pl_module, "_compiler_ctx", None):

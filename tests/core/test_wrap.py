@@ -659,3 +659,32 @@ def test_plan_state_for_other_blocks_warns_instead_of_failing(stack):
     with pytest.warns(RuntimeWarning, match="only its policy 'all'"):
         plan.load_state_dict(dict(state, policy="all"))
     assert plan.spec == "all"
+
+
+def test_an_instance_forward_set_by_someone_else_keeps_running_and_comes_back(stack, idx):
+    """A bound method (accelerate-style hooks) is called with the block; a plain callable, as nn.Module calls an
+    instance attribute (torch.compile's wrapper forward), without it; remove_checkpointing gives each back."""
+    reference = copy.deepcopy(stack)
+    seen = []
+    plain = stack.blocks[0]
+
+    def plain_forward(x, mask=None):  # nn.Module calls an instance attribute as block.forward(x, mask=...)
+        seen.append("plain")
+        return type(plain).forward(plain, x, mask=mask)
+
+    def method(self, x, mask=None):
+        seen.append("bound")
+        return type(self).forward(self, x, mask=mask)
+
+    plain.forward = plain_forward
+    stack.blocks[1].forward = method.__get__(stack.blocks[1])
+    apply_policy(stack, "all")
+    out, grads = _grads(stack, idx)
+    expected, expected_grads = _grads(reference, idx)
+    assert seen == ["plain", "bound", "bound", "plain"]  # forward, then the replays in backward (last block first)
+    torch.testing.assert_close(out, expected)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+    remove_checkpointing(stack)
+    assert stack.blocks[0].forward is plain_forward
+    assert stack.blocks[1].forward.__func__ is method and stack.blocks[1].forward.__self__ is stack.blocks[1]
