@@ -129,8 +129,9 @@ class ActivationCheckpointing(Callback):
     ``selective``, ``recompute`` or (CUDA) ``offload`` for the fastest plan whose predicted activation peak fits,
     the next step is measured against the prediction, and the plan is corrected once if it does not fit. The plan
     explains itself in ``callback.plan.summary()``, the report, and ``blocks/NN_kept_gib`` /
-    ``blocks/NN_replay_gib``. With the whole model under ``torch.compile`` a one-time warning points to the
-    compiler's own ``activation_memory_budget`` (measured faster there) or to compiling block by block.
+    ``blocks/NN_replay_gib``. With the whole model under ``torch.compile`` a one-time warning points to
+    ``compile_blocks=True`` (or compiling block by block yourself), or to the compiler's own
+    ``activation_memory_budget``.
 
     Diagnosis: at the end of ``fit`` (and on :meth:`report`) rank zero prints the ledger table and the seed's
     advice, and writes ``lightning_ckpt_report.json`` beside the logs. Before the first step, and on every plan
