@@ -140,22 +140,29 @@ def test_compile_blocks_undoes_trainer_fit_of_a_compiled_lightning_module_and_co
     assert all(b._compiled_call_impl is not None for b in blocks)
 
 
-def _fit(tmp_path, model, cb, steps=2):
+def _fit(tmp_path, model, cb, steps=2, accumulate=1, **overrides):
     trainer = Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=steps, log_every_n_steps=1,
-                                                       limit_val_batches=0, num_sanity_val_steps=0))
-    trainer.fit(model, train_dataloaders=DataLoader([model.example_batch(2, T)] * steps, batch_size=None))
+                                                       limit_val_batches=0, num_sanity_val_steps=0,
+                                                       accumulate_grad_batches=accumulate, **overrides))
+    batches = [model.example_batch(2, T)] * (steps * accumulate)
+    trainer.fit(model, train_dataloaders=DataLoader(batches, batch_size=None))
     return trainer
 
 
-def test_compile_blocks_lets_a_whole_model_compile_use_the_compilers_budget_per_block(tmp_path):
-    """Without the flag the compiler's per-block budget is refused in a whole-model graph; with it the same model
-    trains, each block in its own graph under its budget, and the activation line is logged."""
+def test_compiler_modes_in_a_whole_model_graph_are_refused_naming_compile_blocks_as_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"whole model is one compiled graph.*compile_blocks=True"):
-        _fit(tmp_path / "refused", _model(GraphCount()), ActivationCheckpointing(policy="modes:off,compiler:0.5"))
+        _fit(tmp_path, _model(GraphCount()), ActivationCheckpointing(policy="modes:off,compiler:0.5"))
+
+
+@pytest.mark.parametrize("precision, accumulate", [("32-true", 1), ("bf16-mixed", 2)])
+def test_compile_blocks_lets_a_whole_model_compile_use_the_compilers_budget_per_block(tmp_path, precision,
+                                                                                      accumulate):
+    """Without the flag the compiler's per-block budget is refused in a whole-model graph (above); with it the same
+    model trains, each block in its own graph under its budget, and the activation line is logged."""
     counter = GraphCount()
     model = _model(counter)
     cb = ActivationCheckpointing(policy="modes:off,compiler:0.5", compile_blocks=True)
-    _fit(tmp_path / "per-block", model, cb, steps=3)
+    _fit(tmp_path, model, cb, steps=3, accumulate=accumulate, precision=precision)
     assert tuple(cb.plan.modes) == ("off", "compiler:0.5")
     assert not blocks_in_one_compiled_graph(model, cb.plan.blocks)
     assert 1 <= counter.graphs <= 2, counter.graphs  # one per block mode: off and compiler:0.5, no whole graph
