@@ -217,7 +217,8 @@ def smallest_budget(costs: Sequence[BlockCost], base: Base = 0, modes: Sequence[
 def plan_budget(costs: Sequence[BlockCost], budget: int, base: Base = 0, modes: Sequence[str] = SOLVER_MODES,
                 max_states: int = 4096, strict: bool = False,
                 measured: Optional[Dict[Tuple[str, ...], int]] = None) -> BudgetPlan:
-    """The fastest plan whose predicted peak fits ``budget``.
+    """The fastest plan whose predicted peak fits ``budget``; among equally fast plans, the one that changes the
+    fewest blocks from ``off``, then the lowest peak.
 
     Exact (see the module docstring); ``max_states`` bounds the frontier for very deep models, keeping the
     fastest states. ``measured`` maps plans (mode tuples) already run to their measured peaks: a measurement
@@ -245,7 +246,10 @@ def plan_budget(costs: Sequence[BlockCost], budget: int, base: Base = 0, modes: 
             raise ValueError(f"budget {format_bytes(budget)} cannot be met: the smallest feasible activation budget "
                              f"with modes {list(modes)} is {format_bytes(floor)}; pass at least that.")
         states = [min(_frontier(options, None, base, max_states), key=lambda s: (_peak(s[0], s[1], base), s[2]))]
-    prefix, transient, time, picks = min(states, key=lambda s: (s[2], _peak(s[0], s[1], base)))
+    # equal times: fewest blocks changed, then lowest peak (a mode measured as free is free within noise only)
+    prefix, transient, time, picks = min(states, key=lambda s: (s[2], sum(options[i][k].mode != "off"
+                                                                          for i, k in enumerate(s[3])),
+                                                                _peak(s[0], s[1], base)))
     chosen = tuple(options[i][k] for i, k in enumerate(picks))
     peak = known.get(tuple(o.mode for o in chosen), _peak(prefix, transient, base))
     return BudgetPlan(tuple(o.mode for o in chosen), peak, time, peak <= budget, budget, floor,

@@ -197,6 +197,15 @@ def test_mixed_mode_solver_is_optimal_against_brute_force(seed):
         assert {m.split(":")[0] for m in plan.modes} <= set(modes)
 
 
+def test_equally_fast_plans_change_the_fewest_blocks():
+    """A mode measured as free (a compiled ``selective`` can time at 0.0 s within noise) ties with ``off``: with
+    room to spare the plan leaves the blocks alone; where memory binds the free mode is taken."""
+    costs = [BlockCost(20 * MiB, 2 * MiB, recompute_s=0.03, selective_kept=8 * MiB, selective_s=0.0)] * 4
+    assert plan_budget(costs, 10**12).modes == ("off",) * 4
+    tight = plan_budget(costs, 3 * 20 * MiB + 8 * MiB + 4 * MiB)
+    assert tight.fits and tight.recompute_s == 0.0 and tight.modes.count("selective") == 1
+
+
 def test_the_compilers_budgets_are_options_only_when_asked_for_and_replay_at_most_a_full_replay():
     cost = BlockCost(20 * MiB, 2 * MiB, 0.010, compiler=(("compiler:0", 2 * MiB, 0.008),
                                                           ("compiler:0.5", 12 * MiB, 0.003)))
