@@ -382,8 +382,7 @@ class CompiledGrain:
     graph per block as ``compile_blocks=True`` does (``torch.compile``'s defaults per block, what
     :func:`lightning_ckpt.lightning.compiled.compile_blocks_one_by_one` gives a default whole-model compile; both
     compiled objects live side by side, so the variants still alternate round by round). The compiler's budget is
-    the compiled graph's
-    ``region_activation_memory_budget`` (the whole model's forward, or each block's), set through
+    the compiled graph's ``region_activation_memory_budget`` (the whole model's forward, or each block's), set through
     :func:`_region_budgeted`: it overrides ``torch._functorch.config.activation_memory_budget`` for that graph, and
     dynamo guards on it, so each fraction gets its own graph (a config patch is not guarded: a second fraction would
     silently reuse the first one's graph)."""

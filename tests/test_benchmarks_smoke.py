@@ -49,18 +49,24 @@ def test_policies_quick_json(tmp_path):
     assert any(n.startswith("all: activation peak") for n in names)
 
 
+def _frontier(tmp_path, *args, timeout):
+    """Run ``benchmarks/frontier.py`` on the GPT in float32 with ``args``; its stdout and its one case (JSON)."""
+    out = tmp_path / "frontier.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--quick", "--models", "gpt", "--precisions",
+         "32-true", *args, "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (case,) = json.loads(out.read_text())
+    return proc.stdout, case
+
+
 @pytest.mark.timeout(300)
 def test_frontier_quick_json(tmp_path):
     """``benchmarks/frontier.py --quick`` on the GPT in float32: every anchor measured, our plan at every budget
     within the budget (a verdict per budget; the speed targets are read from the full run, not asserted here)."""
-    out = tmp_path / "frontier.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--quick", "--models", "gpt", "--precisions",
-         "32-true", "--json", str(out)],
-        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=290,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (case,) = json.loads(out.read_text())
+    _, case = _frontier(tmp_path, timeout=290)
     assert {"none", "torchtitan full", "torchtitan op-SAC", "Megatron selective", "Megatron block 1",
             "HF every_n_layers=2"} <= set(case["anchors"])
     assert case["budgets"][0] == case["anchors"]["torchtitan full"]["peak"]
@@ -74,14 +80,7 @@ def test_frontier_compiled_rows_at_block_grain(tmp_path):
     """``--compile block``: our plan comes from the calibration run on the per-block compiled model (modes priced on
     compiled blocks), both variants' peaks come from the CPU allocator, and the budgets are re-spaced in its units
     between eager ``all`` and ``none`` (the compiled ends are recorded beside them)."""
-    out = tmp_path / "frontier.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--quick", "--budgets", "2", "--models", "gpt",
-         "--precisions", "32-true", "--compile", "block", "--json", str(out)],
-        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=390,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (case,) = json.loads(out.read_text())
+    _, case = _frontier(tmp_path, "--budgets", "2", "--compile", "block", timeout=390)
     rows = case["compiled"]
     assert [r["grain"] for r in rows] == ["block", "block"] and [r["budget"] for r in rows] == case["budgets"]
     # block by block, the compiler's budget per block is a mode too (engine.fit_start offers it there)
@@ -106,15 +105,8 @@ def test_frontier_compiled_rows_for_a_whole_model_compile_split_by_compile_block
     into per-block graphs (``compile_blocks=True``), with the compiler's budget per block among its modes; at
     ``all``'s budget ours keeps what per-block ``all`` keeps, and the whole-model graph at the same fraction holds
     more."""
-    out = tmp_path / "frontier.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--quick", "--budgets", "2", "--models", "gpt",
-         "--precisions", "32-true", "--compile", "split", "--json", str(out)],
-        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=390,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "split, compile_blocks=True, for ours" in proc.stdout
-    (case,) = json.loads(out.read_text())
+    stdout, case = _frontier(tmp_path, "--budgets", "2", "--compile", "split", timeout=390)
+    assert "split, compile_blocks=True, for ours" in stdout
     low, high = case["compiled"]
     assert low["grain"] == high["grain"] == "split"
     assert {"compiler:0", "compiler:0.5"} <= set(low["block_seconds"]["Block"])
