@@ -283,8 +283,13 @@ class StepMeter:
         return self._open
 
     def live_bytes(self) -> Optional[int]:
-        """Bytes of every storage the step's forward created that is alive now (exact steps only, else ``None``)."""
-        return self._live.live + self._live.copies_live if self._live is not None else None
+        """Bytes of every storage the step's forward created that is alive now, autocast's copies of parameters
+        apart, as in the activation figure (exact steps only, else ``None``)."""
+        return self._live.live if self._live is not None else None
+
+    def live_copies_bytes(self) -> Optional[int]:
+        """Bytes of autocast's low-precision copies of parameters alive now (exact steps only, else ``None``)."""
+        return self._live.copies_live if self._live is not None else None
 
     def live_saved_bytes(self) -> Optional[int]:
         """Bytes held for backward right now (outer hooks' view), or ``None`` when activations aren't counted."""
