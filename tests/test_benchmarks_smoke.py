@@ -115,13 +115,29 @@ def test_frontier_compiled_rows_for_a_whole_model_compile_split_by_compile_block
     assert low["compile_peak"] < high["compile_peak"]
 
 
-def _compile_benchmark():
+def _benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` as a module (it puts ``benchmarks/`` on ``sys.path`` itself)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_lightning_ckpt_bench_compile", ROOT / "benchmarks" / "compile.py")
+    spec = importlib.util.spec_from_file_location(f"_lightning_ckpt_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_frontier_names_a_row_where_our_plan_is_the_anchors_own_plan():
+    """A ratio between two runs of the same computation is noise: the frontier table marks the rows where our plan
+    recomputes exactly the blocks a plain-recompute anchor does; a selective block, another mask or an anchor with a
+    policy of its own (op-level SAC, Megatron selective) is a different plan."""
+    frontier = _benchmark("frontier")
+    anchors = frontier.anchor_wrappers(4)
+    assert frontier.same_plan(["recompute"] * 3 + ["off"], anchors["Megatron block 3"])
+    assert frontier.same_plan(["off"] * 4, anchors["none"])
+    assert frontier.same_plan(["recompute", "off"] * 2, anchors["HF every_n_layers=2"])
+    assert not frontier.same_plan(["recompute"] * 2 + ["off"] * 2, anchors["Megatron block 3"])
+    assert not frontier.same_plan(["selective"] + ["off"] * 3, anchors["Megatron block 1"])
+    assert not frontier.same_plan(["recompute"] * 4, anchors["torchtitan op-SAC"])
+    assert not frontier.same_plan(["off"] * 4, anchors["Megatron selective"])
 
 
 def test_compile_benchmark_leaves_gradient_buffers_out_of_the_activation_peak():
@@ -130,7 +146,7 @@ def test_compile_benchmark_leaves_gradient_buffers_out_of_the_activation_peak():
     activations (a 32 KiB hidden state) are in both."""
     import torch
 
-    bench = _compile_benchmark()
+    bench = _benchmark("compile")
     torch.manual_seed(0)
     first, second = torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1, bias=False)
     x = torch.randn(8, 1024)
