@@ -229,11 +229,13 @@ def our_costs(bench: Bench, block_caller: Optional[Callable] = None, compiler_fr
     meter = StepMeter("cpu", model=bench.module)
     calibration = BudgetCalibration(plan, meter, budget=2**62, block_caller=block_caller,
                                     compiler_fractions=compiler_fractions)
-    while calibration.calibrating:
-        calibration.begin_step()
-        with meter.step(exact=calibration.exact_step, eager=True) as box:
+
+    def step(exact: bool) -> int:
+        with meter.step(exact=exact, eager=True) as box:
             bench.step()
-        calibration.end_step(int(box.reading.activations or 0))
+        return int(box.reading.activations or 0)
+
+    calibration.run(step)
     measured = dict(calibration.measured_plans)
     for spec in ("none", "all", "every:2"):  # what the callback would know: its own measured plans
         plan.retarget(spec)

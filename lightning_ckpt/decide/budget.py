@@ -33,7 +33,7 @@ It is exact because the peak of a prefix only depends on these three numbers (te
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from lightning_ckpt.core.policy import COMPILER_MODE, compiler_fraction, compiler_modes
 from lightning_ckpt.core.units import format_bytes
@@ -402,6 +402,14 @@ class BudgetCalibration:
                 self._choose(self.budget - (self.measured - self.chosen.predicted_peak))
                 self.messages.append("budget plan corrected once: the measured peak exceeded the budget")
             self.stage += 1
+
+    def run(self, step: Callable[[bool], int]) -> None:
+        """Calibrate outside a training loop (the frontier command, benchmarks, tests): ``step(exact)`` runs one
+        optimizer step, measured exactly when ``exact``, and returns its activation peak; the plan is chosen at
+        the end (the verifying step is the caller's)."""
+        while self.calibrating:
+            self.begin_step()
+            self.end_step(step(self.exact_step))
 
     def _stage_modes(self, stage: int) -> List[str]:
         mode, parity, _ = self.stages[stage]

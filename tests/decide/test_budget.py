@@ -256,19 +256,18 @@ def _calibrated_step(module, precision: str):
     module.train()
     batch, optimizers, parsed = module.example_batch(2, 64), make_optimizers(module, None), parse_precision(precision)
     plan, meter = apply_policy(module, "none"), StepMeter("cpu", model=module)
-    calibration = BudgetCalibration(plan, meter, budget=2**62)
-    while calibration.calibrating:
-        calibration.begin_step()
-        with meter.step(exact=calibration.exact_step) as box:
+
+    def step(exact: bool) -> int:
+        with meter.step(exact=exact) as box:
             lightning_step(module, batch, optimizers, parsed)
-        calibration.end_step(int(box.reading.activations or 0))
+        return int(box.reading.activations or 0)
 
     def measure(modes) -> int:
         plan.set_modes(list(modes))
-        with meter.step(exact=True) as box:
-            lightning_step(module, batch, optimizers, parsed)
-        return int(box.reading.activations)
+        return step(True)
 
+    calibration = BudgetCalibration(plan, meter, budget=2**62)
+    calibration.run(step)
     return calibration, measure
 
 

@@ -212,9 +212,7 @@ def frontier(
     calibration = BudgetCalibration(plan, runner.meter, budget=2**62, synchronize=runner.sync, modes=modes,
                                     block_caller=(lambda block: block) if compiled else None,
                                     compiler_fractions=COMPILER_FRACTIONS if compiled else ())
-    while calibration.calibrating:
-        calibration.begin_step()
-        calibration.end_step(runner.activations(exact=calibration.exact_step))
+    calibration.run(lambda exact: runner.activations(exact=exact))
     costs, base = calibration.costs(), calibration.base
     solver_modes = ("off", *modes, *[COMPILER_MODE] * compiled)
     floor = smallest_budget(costs, base, solver_modes)
