@@ -118,12 +118,20 @@ def test_budget_mixes_the_compilers_per_block_budgets_when_blocks_compile_one_by
     from lightning_ckpt.decide import block_timing
     from lightning_ckpt.decide.budget import COMPILER_FRACTIONS
 
-    real = block_timing.time_block_modes
+    real_seconds, real_kept = block_timing.time_block_modes, block_timing.saved_block_bytes
 
-    def cheap_compiler(*args, **kwargs):  # measured, then the compiler's budgets made the cheapest
-        return {m: (0.0 if m.startswith("compiler:") else s) for m, s in real(*args, **kwargs).items()}
+    # measured, then the costs constructed so that the verdict cannot hang on noise: the compiler's budgets are
+    # the cheapest (every other mode strictly dearer), and its full-recompute budget keeps nothing beyond the
+    # block's input, so under a budget nothing meets it ties recompute's peak and wins on time
+    def cheap_compiler(*args, **kwargs):
+        seconds = real_seconds(*args, **kwargs)
+        return {m: (0.0 if m.startswith("compiler:") else max(s, 1e-3)) for m, s in seconds.items()}
+
+    def lean_compiler(*args, **kwargs):
+        return {m: (0 if m == "compiler:0" else kept) for m, kept in real_kept(*args, **kwargs).items()}
 
     monkeypatch.setattr(block_timing, "time_block_modes", cheap_compiler)
+    monkeypatch.setattr(block_timing, "saved_block_bytes", lean_compiler)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     seed_everything(0)
