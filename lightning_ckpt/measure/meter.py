@@ -5,7 +5,9 @@ A :class:`StepMeter` is started before the first forward of an optimizer step an
 all of them). :meth:`StepMeter.stop_step` returns a :class:`StepReading`.
 
 **Allocator counters** (``peak_allocated``, ``peak_reserved``): the CUDA caching allocator's peak counters,
-reset at every :meth:`~StepMeter.start_step`. Both the reset and the read touch host-side counters only; the
+reset at every :meth:`~StepMeter.start_step` (and at each phase boundary, see below; after
+:meth:`~StepMeter.stop_step` ``torch.cuda.max_memory_allocated()`` reads the step's last phase: the whole step when no
+phase was marked). Both the reset and the read touch host-side counters only; the
 device is never synchronized. The allocator updates them when the host enqueues an allocation, so they are exact
 without a sync. On a device without allocator counters (the CPU) they are ``None``, never a fake zero.
 
@@ -352,16 +354,19 @@ class StepMeter:
         self._close_phase()
         self._phase, self._phased = name, True
 
-    def _close_phase(self) -> None:
-        """Fold the running peak into the current phase's and restart it (host-side only, no sync)."""
+    def _close_phase(self, restart: bool = True) -> None:
+        """Fold the running peak into the current phase's and restart it (host-side only, no sync). The last phase
+        is not restarted: after a step the allocator's own peak counters hold that phase's peak, as read here."""
         peak = None
         if _has_allocator_counters(self.device):
             peak, reserved = cuda_peaks(self.device)
             self._reserved_peak = max(self._reserved_peak, reserved)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            if restart:
+                torch.cuda.reset_peak_memory_stats(self.device)
         elif self._total is not None:
             peak = self._total.total_peak
-            self._total.reset_peak()
+            if restart:
+                self._total.reset_peak()
         if peak is not None and self._phase is not None:
             self._phase_peaks[self._phase] = max(self._phase_peaks.get(self._phase, 0), peak)
 
@@ -372,7 +377,7 @@ class StepMeter:
                                "first forward of the optimizer step.")
         wall = time.perf_counter() - self._t0
         saved, live = self._saved, self._live
-        self._close_phase()  # the last phase
+        self._close_phase(restart=False)  # the last phase
         phases, self._phase_peaks = dict(self._phase_peaks), {}
         peak_allocated = peak_reserved = None
         if _has_allocator_counters(self.device):  # each phase reset the counters: the step's peak is the highest

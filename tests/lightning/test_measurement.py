@@ -537,6 +537,9 @@ class CudaPeaks(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         torch.cuda.reset_peak_memory_stats()  # the callback reset them too; the step starts here
 
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.end_of_forward = torch.cuda.memory_allocated()  # what the forward left alive: a floor for its peak
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.rows.append(
             (
@@ -544,6 +547,7 @@ class CudaPeaks(Callback):
                 torch.cuda.max_memory_allocated(),
                 torch.cuda.max_memory_reserved(),
                 dict(self.cb.last_metrics),
+                self.end_of_forward,
             )
         )
 
@@ -564,11 +568,15 @@ def test_peak_allocated_matches_torch_cuda_max_memory_allocated_for_the_step(tmp
         ),
     ).fit(_gpt(n_layer=4, n_embd=128, T=128), datamodule=SameBatch(_batch(8, 128)))
     assert len(peaks.rows) == 3
-    for reading, allocated, reserved, metrics in peaks.rows:
-        # the callback read its figures just before this callback's read; in between only a few scalars were
-        # allocated (logging), far below the step's peak
-        assert reading.peak_allocated == allocated
-        assert _bytes(metrics["memory/peak_allocated_gib"]) == allocated
+    for reading, allocated, reserved, metrics, end_of_forward in peaks.rows:
+        # the meter restarts the allocator's peak at each phase boundary and leaves the last phase's in the counter:
+        # torch's own counter, read after the step, is the optimizer phase's peak (the callback read its figures just
+        # before; in between only a few scalars were allocated, far below the step's peak)
+        phases = reading.phase_peaks
+        assert set(phases) == {"forward", "backward", "optimizer"}
+        assert phases["optimizer"] == allocated
+        assert reading.peak_allocated == max(phases.values()) == _bytes(metrics["memory/peak_allocated_gib"])
+        assert phases["forward"] >= end_of_forward and reading.peak_allocated >= end_of_forward
         # reserved: those scalars could at most have opened one new 2 MiB small-block segment
         assert reserved - 2 * 2**20 <= reading.peak_reserved <= reserved
         assert {"memory/other_gib", "memory/cache_gib", "memory/peak_reserved_gib"} <= set(metrics)

@@ -480,3 +480,41 @@ def test_a_step_with_recompute_hidden_in_compiled_graphs_reports_its_reference_f
     assert not seen.reference and not seen.eager_figure
     assert seen.activations == seen.activations_estimate + reference.activations - reference.activations_estimate
     assert hidden.eager_figure and hidden.activations == reference.activations
+
+
+def test_the_allocator_counter_is_left_holding_the_last_phase_after_a_step(monkeypatch):
+    """The meter restarts the allocator's peak counters at each phase boundary but not when the step stops, so
+    ``torch.cuda.max_memory_allocated()`` read after a step is the step's last phase (the whole step when no phase
+    was marked): what tools and tests reading torch's own counter compare with (CUDA counters faked on the CPU)."""
+    from lightning_ckpt.measure import meter as meter_module
+
+    counter = {"allocated": 0, "reserved": 0, "resets": 0}
+
+    def reset(device=None):
+        counter.update(allocated=0, reserved=0, resets=counter["resets"] + 1)
+
+    monkeypatch.setattr(meter_module, "_has_allocator_counters", lambda device: True)
+    monkeypatch.setattr(meter_module, "cuda_peaks", lambda device: (counter["allocated"], counter["reserved"]))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    meter = StepMeter("cpu")
+
+    def allocate(peak):
+        counter["allocated"] = max(counter["allocated"], peak)
+        counter["reserved"] = max(counter["reserved"], peak + 1)
+
+    meter.start_step(activations=False)
+    allocate(7)
+    reading = meter.stop_step()
+    assert reading.peak_allocated == 7 and counter["allocated"] == 7 and counter["resets"] == 1
+
+    meter.start_step(activations=False)
+    allocate(5)
+    meter.phase("backward")
+    allocate(9)
+    meter.phase("optimizer")
+    allocate(3)
+    reading = meter.stop_step()
+    assert reading.phase_peaks == {"forward": 5, "backward": 9, "optimizer": 3}
+    assert reading.peak_allocated == 9 and reading.peak_reserved == 10
+    assert counter["allocated"] == 3  # the optimizer phase's peak, not reset by stop_step
+    assert counter["resets"] == 1 + 3  # start, two boundaries
