@@ -93,11 +93,20 @@ print("ok")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("order", ["lightning_ckpt first", "lightning first"])
+ORDERS = {
+    "lightning_ckpt first": ("import lightning_ckpt", "import lightning"),
+    "lightning first": ("import lightning.pytorch", "import lightning_ckpt"),
+    # the README's line: the callback's import is what loads Lightning, mid-way through lightning_ckpt's own import
+    "the callback first": ("from lightning_ckpt import ActivationCheckpointing", "import lightning.pytorch"),
+}
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
 def test_importing_the_package_registers_the_strategies_in_either_order(order):
-    first, second = ("import lightning_ckpt", "import lightning") if order == "lightning_ckpt first" else (
-        "import lightning.pytorch", "import lightning_ckpt")
+    first, second = ORDERS[order]
     code = f"""
+import warnings
+warnings.simplefilter("error", RuntimeWarning)
 {first}
 {second}
 from lightning.pytorch.strategies import StrategyRegistry

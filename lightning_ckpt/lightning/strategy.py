@@ -27,7 +27,6 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDevice
 from lightning_ckpt.core.blocks import BlockSelector
 from lightning_ckpt.core.policy import Policy
 from lightning_ckpt.core.wrap import CheckpointPlan
-from lightning_ckpt.lightning.callback import ActivationCheckpointing
 from lightning_ckpt.lightning.conflicts import check_strategy
 
 __all__ = [
@@ -87,6 +86,10 @@ class ActivationCheckpointingMixin:
         compile_blocks: bool = False,
         **kwargs: Any,
     ) -> None:
+        # imported here, not at the top: registering the strategies (which imports this module) runs right after
+        # Lightning loads, and Lightning may be loading *because* the callback's module is being imported
+        from lightning_ckpt.lightning.callback import ActivationCheckpointing
+
         callback = ActivationCheckpointing(
             policy=policy, blocks=blocks, preserve_rng_state=preserve_rng_state, determinism_check=determinism_check,
             debug=debug, measure=measure, exact_every_n_steps=exact_every_n_steps, tokens_fn=tokens_fn,
