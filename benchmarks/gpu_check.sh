@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The prepared GPU check for a lent CUDA machine: the GPU-marked tests, then the CUDA overhead benchmark.
-# Run from the repository root:  bash benchmarks/gpu_check.sh   (about 5 minutes after the install)
+# The prepared GPU check for a lent CUDA machine, as it is: no venv, no install (it has no package registry).
+# Run from anywhere:  bash benchmarks/gpu_check.sh [--only PART[,PART]]   (log and JSON summary under $OUT when set)
+# Without CUDA it says so in one line and exits non-zero. Parts and their checks: benchmarks/gpu_check.py.
 set -u
-python3 -m venv .venv && .venv/bin/pip install -q -e ".[test]" || exit 1
-.venv/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
-.venv/bin/python -m pytest -m gpu -q -p no:cacheprovider -rs
-.venv/bin/python benchmarks/overhead.py --accelerator gpu
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec "$PY" benchmarks/gpu_check.py "$@"

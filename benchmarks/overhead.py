@@ -79,6 +79,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--batch", type=int, default=None, help="micro-batch (default 4; --quick 2)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 512; --quick 64)")
+    p.add_argument("--layers", type=int, default=None, help="blocks of the GPT (default 12)")
+    p.add_argument("--width", type=int, default=None, help="residual width (default 512; heads = width / 64)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 512)")
+    p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed (default 32-true)")
     p.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu"))
     p.add_argument("--case", default="single", choices=("single", "auto", "ddp"))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
@@ -177,10 +181,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(line)
     print(f"load average at start: {C.load_average()}")
 
+    sizes = {k: v for k, v in (("n_layer", args.layers), ("n_embd", args.width), ("vocab_size", args.vocab))
+             if v is not None}
+    if args.width is not None:
+        sizes["n_head"] = max(1, args.width // 64)
     cfg = (
-        GPTConfig.tiny(block_size=args.seq)
+        GPTConfig.tiny(block_size=args.seq, **sizes)
         if args.quick
-        else GPTConfig.benchmark(block_size=max(512, args.seq))
+        else GPTConfig.benchmark(block_size=max(512, args.seq), **sizes)
     )
     seed_everything(0, verbose=False)
     model = GPTLightningModule.from_config(cfg, lr=1e-4)
@@ -204,6 +212,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             accelerator=args.accelerator,
             devices=2 if ddp else 1,
             strategy="ddp_spawn" if ddp else "auto",
+            precision=args.precision,
             max_steps=steps,
             callbacks=[timer, cb, hooks],
             logger=TensorBoardLogger(logdir, name="overhead"),
@@ -256,7 +265,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     print(
         f"model: GPT {cfg.n_layer}x{cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab_size} | "
-        f"batch {args.batch} x seq {args.seq} | AdamW | policy {args.policy!r} "
+        f"batch {args.batch} x seq {args.seq} | AdamW | {args.precision} | policy {args.policy!r} "
         f"({blocks}) | device {device} | case {args.case}"
     )
     print(
