@@ -15,7 +15,7 @@ Grammar (``parse_policy``):
 ``group:K`` / ``group:sqrt`` regions of K consecutive blocks replayed as one (√L: Chen et al. 2016)
 ``selective``                op-level: save the outputs of matmuls and attention, recompute the rest
 ``selective:mm,sdpa``        op-level with an explicit save list (aliases ``mm``, ``sdpa``, ``conv`` or any
-                             ``torch.ops.aten`` op name)
+                             ``torch.ops.aten`` op name that does not always draw random numbers)
 ``offload``                  keep saved activations in host memory instead of recomputing them
 ``budget:18GiB``             reserved: the cheapest plan whose measured activation peak fits (needs measurement)
 ===========================  ==================================================================================
@@ -25,6 +25,13 @@ Per-block modes (:data:`MODES`, and ``modes:off,recompute,compiler:0.5,...``) al
 ``torch.autograd.graph.region_activation_memory_budget(fraction)``, so the compiler's min-cut partitioner chooses
 per operator what the block keeps (``0.0``: as little as a full recompute, ``1.0``: as ``off``). It needs the block
 compiled as its own graph (``block.compile()``); run eagerly the block runs as ``off``.
+
+``selective`` never keeps a call that draws random numbers: a kept op is skipped when its block is replayed in
+backward, so it would leave the generator behind and every later random op of the block (dropout) would draw a
+shifted stream, giving wrong gradients. An op that always draws (``native_dropout``, ``bernoulli``, ``rand_like``, …:
+PyTorch tags it ``nondeterministic_seeded``) is refused in a save list; an op with a ``dropout_p`` argument (the
+fused attention kernels, tagged too whatever their ``dropout_p``) is kept only in calls with ``dropout_p == 0``,
+decided per call when the block runs (:mod:`lightning_ckpt.core.wrap`).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ __all__ = [
     "OffloadPolicy",
     "Policy",
     "SelectivePolicy",
+    "compiler_budget_unavailable",
     "compiler_fraction",
     "compiler_modes",
     "is_mode",
@@ -80,6 +88,18 @@ def compiler_fraction(mode: str) -> Union[float, None]:
 def compiler_modes(modes: Sequence[str]) -> List[str]:
     """The distinct ``compiler:<fraction>`` modes among ``modes``, sorted (empty when a plan has none)."""
     return sorted({m for m in modes if compiler_fraction(m) is not None})
+
+
+def compiler_budget_unavailable() -> Union[str, None]:
+    """Why the ``compiler:<fraction>`` modes cannot run with the installed torch (``None`` when they can): they
+    annotate the block's graph with ``torch.autograd.graph.region_activation_memory_budget``, which torch 2.11 lacks
+    and torch 2.14 has."""
+    import torch
+
+    if hasattr(torch.autograd.graph, "region_activation_memory_budget"):
+        return None
+    return (f"the modes '{COMPILER_MODE}:<fraction>' need torch.autograd.graph.region_activation_memory_budget, which "
+            f"torch {torch.__version__} does not have (torch 2.14 does)")
 
 
 def is_mode(mode: str) -> bool:
@@ -279,6 +299,8 @@ class SelectivePolicy(Policy):
                     f"selective: unknown op {op!r}; use an alias ({', '.join(SELECTIVE_ALIASES)}) or a "
                     f"torch.ops.aten op name such as 'mm', 'addmm', 'gelu'."
                 )
+            for name in present:
+                _refuse_random_op(name)
             names.extend(n for n in present if n not in names)
         return tuple(names)
 
@@ -334,8 +356,15 @@ class ModesPolicy(Policy):
         if bad:
             raise ValueError(f"unknown block modes {bad}; valid modes are {list(MODES)} and "
                              f"'{COMPILER_MODE}:<fraction in [0, 1]>' (e.g. '{COMPILER_MODE}:0.5').")
+        compiled = compiler_modes(self.modes)
+        missing = compiler_budget_unavailable() if compiled else None
+        if missing:
+            raise ValueError(f"modes {compiled}: upgrade torch or choose among {list(MODES)} — {missing}.")
+        object.__setattr__(self, "save_ops", tuple(self.save_ops))
         if "selective" in self.modes and not self.save_ops:
             object.__setattr__(self, "save_ops", SelectivePolicy().aten_ops())
+        for name in self.save_ops:  # an explicit list (a planner's) is held to the same rule as a parsed one
+            _refuse_random_op(name)
 
     @property
     def spec(self) -> str:
@@ -345,6 +374,28 @@ class ModesPolicy(Policy):
         if len(self.modes) != num_blocks:
             raise ValueError(f"{len(self.modes)} block modes given for a model with {num_blocks} blocks.")
         return Layout(self.modes, save_ops=self.save_ops)
+
+
+def _refuse_random_op(name: str) -> None:
+    """Raise for an aten op that always draws random numbers: ``selective`` must never keep its output.
+
+    The ``nondeterministic_seeded`` tag of any overload decides, except for ops with a ``dropout_p`` argument: PyTorch
+    tags every fused attention kernel whatever its ``dropout_p``, and those are decided per call instead.
+    """
+    import torch
+
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        raise ValueError(f"selective: unknown op {name!r}; use a torch.ops.aten op name such as 'mm', 'addmm', 'gelu'.")
+    overloads = [getattr(packet, overload) for overload in packet.overloads()]
+    if any(any(a.name == "dropout_p" for a in op._schema.arguments) for op in overloads):
+        return
+    if any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads):
+        raise ValueError(
+            f"selective: drop {name!r} from the save list (e.g. 'selective:mm,sdpa'): it draws random numbers, and a "
+            "kept op is skipped when its block is replayed, so every later random op of the block would draw a "
+            "shifted stream and the gradients would be wrong."
+        )
 
 
 def _check_positive_int(policy: str, value, label: str, allow_zero: bool = False) -> None:

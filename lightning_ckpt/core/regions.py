@@ -20,6 +20,7 @@ import torch.utils.checkpoint as _cp
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_ckpt.core.positional import keywords_as_positional
 from lightning_ckpt.core.replay import notify_replay, replay_hooks_active
 
 __all__ = ["GroupRegion"]
@@ -46,7 +47,12 @@ def _identity(x):
 
 
 def _frame_generator(fn, args, kwargs, options: Any):
-    """Open a non-reentrant checkpoint frame around code we do not call ourselves (torch private API)."""
+    """Open a non-reentrant checkpoint frame around code we do not call ourselves (torch private API).
+
+    The keyword values are passed positionally: the frame saves the RNG state of the devices of its positional
+    tensors only (:mod:`lightning_ckpt.core.positional`)."""
+    fn, args = keywords_as_positional(fn, args, kwargs)
+    kwargs = {}
     impl = getattr(_cp, "_checkpoint_without_reentrant_generator_impl", None)
     config = dict(
         preserve_rng_state=options.preserve_rng_state,
@@ -90,7 +96,8 @@ class GroupRegion:
             return self._open(member, args, kwargs)
         if self.gen is None or member is not self.members[self.next]:
             self._close(warn=self.gen is not None)
-            return _cp.checkpoint(member.run, *args, **member.shared.checkpoint_kwargs("recompute"), **kwargs)
+            fn, inputs = keywords_as_positional(member.run, args, kwargs)
+            return _cp.checkpoint(fn, *inputs, **member.shared.checkpoint_kwargs("recompute"))
         self.between.__exit__(None, None, None)
         self.between = None
         self.records.append((member, *self._template(args, kwargs)))

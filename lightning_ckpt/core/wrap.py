@@ -11,9 +11,11 @@ Modes (per block, changeable at any time through :class:`CheckpointPlan`):
 - ``off``: the plain forward.
 - ``recompute``: ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 - ``selective``: the same with ``create_selective_checkpoint_contexts`` keeping the outputs of the policy's
-  save list (matmuls and attention by default) and recomputing the rest.
-- ``offload``: no recompute; tensors saved for backward move to (pinned) host memory and come back in
-  backward. Tensors already on the CPU stay where they are, so on a CPU-only machine this mode is a no-op.
+  save list (matmuls and attention by default) and recomputing the rest; a call that draws random numbers is never
+  kept (attention with ``dropout_p > 0`` is recomputed).
+- ``offload``: no recompute; the saved activations move to (pinned) host memory on a side stream and come back
+  in backward, parameters and their views staying on the device (:mod:`lightning_ckpt.core.offload`). Tensors
+  already on the CPU stay where they are, so on a CPU-only machine this mode is a no-op.
 - ``compiler:<fraction>``: no checkpoint; under ``torch.compile`` the block's forward is annotated with
   ``torch.autograd.graph.region_activation_memory_budget(fraction)`` and the compiler's partitioner chooses what the
   block's graph keeps and recomputes. PyTorch applies one budget per compiled graph, covering all of it, so the
@@ -31,18 +33,21 @@ nothing extra runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.utils.checkpoint as _cp
 from torch import nn
 
+from lightning_ckpt.core import offload
 from lightning_ckpt.core.blocks import BlockSelector, describe_blocks, find_blocks
 from lightning_ckpt.core.policy import COMPILER_MODE, MODES, Layout, ModesPolicy, Policy, parse_policy
+from lightning_ckpt.core.positional import keywords_as_positional
 from lightning_ckpt.core.regions import GroupRegion
 from lightning_ckpt.core.replay import observed, replay_hooks_active
 
@@ -77,7 +82,13 @@ class CheckpointOptions:
 
 
 class _Shared:
-    """State every block of one plan reads on the hot path: checkpoint options and the SAC save list."""
+    """State every block of one plan reads on the hot path: checkpoint options and the SAC policy.
+
+    Attributes:
+        save_ops: the ``torch.ops.aten`` op packets of the save list.
+        sac_policy: the selective-checkpoint policy function over every overload of those ops (see
+            :func:`_keep_unless_random`).
+    """
 
     def __init__(self, options: CheckpointOptions) -> None:
         self.options = options
@@ -86,10 +97,10 @@ class _Shared:
     def set_save_ops(self, names: Sequence[str]) -> None:
         packets = [getattr(torch.ops.aten, n) for n in names]
         self.save_ops = frozenset(packets)
-        # every overload of a listed op (mm.default, mm.out, ...), as a list: torch.compile traces a
-        # functools.partial over constants, not a bound method
-        overloads = [getattr(p, name) for p in packets for name in p.overloads()]
-        self._selective = functools.partial(_cp.create_selective_checkpoint_contexts, overloads)
+        self.sac_policy = functools.partial(_keep_unless_random, _keep_table(packets))
+        # a functools.partial over constants (a module function, a dict of op overloads) all the way down:
+        # torch.compile traces that, not a bound method
+        self._selective = functools.partial(_cp.create_selective_checkpoint_contexts, self.sac_policy)
 
     def checkpoint_kwargs(self, mode: str) -> Dict[str, Any]:
         o = self.options
@@ -103,9 +114,51 @@ class _Shared:
         return kwargs
 
 
+_MUST_SAVE, _RECOMPUTE = _cp.CheckpointPolicy.MUST_SAVE, _cp.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_table(packets) -> Dict[Any, Optional[Tuple[int, str, Any]]]:
+    """For each overload of the listed ops that ``selective`` may keep: ``None`` when every call is deterministic,
+    else ``(position, name, default)`` of its ``dropout_p`` argument. Overloads that always draw random numbers
+    (tagged ``nondeterministic_seeded``, no ``dropout_p``) are left out: they are never kept."""
+    table: Dict[Any, Optional[Tuple[int, str, Any]]] = {}
+    for packet in packets:
+        for name in packet.overloads():
+            op = getattr(packet, name)
+            arguments = op._schema.arguments
+            position = next((i for i, a in enumerate(arguments) if a.name == "dropout_p"), None)
+            if position is not None:
+                argument = arguments[position]
+                table[op] = (position, argument.name, argument.default_value if argument.has_default_value() else None)
+            elif torch.Tag.nondeterministic_seeded not in op.tags:
+                table[op] = None
+    return table
+
+
+def _keep_unless_random(keep, ctx, op, *args, **kwargs) -> _cp.CheckpointPolicy:
+    """The ``selective`` policy function: keep a listed op's output unless this call draws random numbers.
+
+    A kept op is skipped when the block is replayed in backward; if it drew random numbers, every later random op of
+    the block (dropout) would draw from a shifted stream on replay and the gradients would be wrong. So an op with a
+    ``dropout_p`` argument (the fused attention kernels, which draw their own dropout) is kept only when this call's
+    ``dropout_p`` is 0, read by name from the keywords or by its schema position from the positional arguments (the
+    dispatcher drops trailing defaults: absent means the schema default). With dropout it is recomputed: the simplest
+    correct choice, since the replay starts from the block's restored RNG state and no earlier random op of the block
+    is kept, so the kernel redraws exactly its forward mask (keeping it would need the generator advanced on replay).
+    A ``dropout_p`` that is not a plain number (a symbolic float under dynamic shapes) counts as drawing.
+    """
+    if op not in keep:
+        return _RECOMPUTE
+    dropout = keep[op]
+    if dropout is None:
+        return _MUST_SAVE
+    position, name, default = dropout
+    p = kwargs[name] if name in kwargs else args[position] if position < len(args) else default
+    return _MUST_SAVE if isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0 else _RECOMPUTE
+
+
 _COMPILER_PREFIX = COMPILER_MODE + ":"
 _SAC_RESPECTS_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_cp.checkpoint).parameters
-_RESERVED_KWARGS = frozenset(inspect.signature(_cp.checkpoint).parameters) - {"args", "kwargs"}
 
 
 class _BlockForward:
@@ -146,56 +199,24 @@ class _BlockForward:
             with torch.autograd.graph.region_activation_memory_budget(float(mode[len(_COMPILER_PREFIX):])):
                 return self.run(*args, **kwargs)
         if mode == "offload":
-            if _on_cpu(args, kwargs):  # already in host memory: nothing to move, no hooks to pay for
+            if not offload.applies(self.shared, args, kwargs):  # already in host memory: no hooks to pay for
                 return self.run(*args, **kwargs)
             return self._offloaded(args, kwargs)
         # replays are observable in eager only: compiled backward recomputes inside the graph, and the hook's
         # bookkeeping would break the graph
         # (is_compiling() first: dynamo folds it to True and never reads the hook list, so no guard on it)
         fn = observed(self, self.run) if not torch.compiler.is_compiling() and replay_hooks_active() else self.run
-        if _RESERVED_KWARGS.intersection(kwargs):
-            return _cp.checkpoint(lambda *a: fn(*a, **kwargs), *args, **self.shared.checkpoint_kwargs(mode))
-        return _cp.checkpoint(fn, *args, **self.shared.checkpoint_kwargs(mode), **kwargs)
+        # keyword values travel positionally: checkpoint restores the RNG of the devices of its positional tensors only
+        fn, inputs = keywords_as_positional(fn, args, kwargs)
+        return _cp.checkpoint(fn, *inputs, **self.shared.checkpoint_kwargs(mode))
 
     # saved-tensor hooks cannot live inside a compiled graph: under torch.compile an offloaded block runs eagerly
     @torch._dynamo.disable
     def _offloaded(self, args, kwargs):
-        with _OffloadToHost():
-            return self.run(*args, **kwargs)
+        return offload.offloaded_call(self.shared, self.block, self.index, self.run, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<lightning_ckpt forward of {self.name} mode={self.mode}>"
-
-
-def _on_cpu(args, kwargs) -> bool:
-    """Whether the block's first tensor input lives on the CPU (the block then saves CPU tensors)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device.type == "cpu"
-    return False
-
-
-class _OffloadToHost(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors go to (pinned) host memory in forward and come back in backward."""
-
-    def __init__(self) -> None:
-        super().__init__(_pack_to_host, _unpack_from_host)
-
-
-def _pack_to_host(tensor: torch.Tensor):
-    if tensor.device.type == "cpu":
-        return tensor
-    pinned = torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
-    host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pinned)
-    host.copy_(tensor, non_blocking=pinned)
-    return tensor.device, host
-
-
-def _unpack_from_host(packed):
-    if isinstance(packed, torch.Tensor):
-        return packed
-    device, host = packed
-    return host.to(device, non_blocking=host.is_pinned())
 
 
 # ------------------------------------------------------------------------------------------------------ plan
@@ -266,6 +287,20 @@ class CheckpointPlan:
         """Set each block's mode explicitly (``len(modes)`` must equal the number of blocks)."""
         return self.retarget(ModesPolicy(tuple(modes), self.layout.save_ops))
 
+    @contextlib.contextmanager
+    def plain(self, indices: Sequence[int]) -> Iterator["CheckpointPlan"]:
+        """Inside the ``with``, the blocks at ``indices`` run plain (``off``, outside their group region); their
+        modes and regions come back on exit. Policy, layout and notes stay as they are (``verify`` compares a
+        block in its planned mode with the same block plain without re-planning)."""
+        saved = [(f, f.mode, f.region) for f in (self._forwards[i] for i in indices)]
+        for f, _, _ in saved:
+            f.mode, f.region = "off", None
+        try:
+            yield self
+        finally:
+            for f, mode, region in saved:
+                f.mode, f.region = mode, region
+
     def _install(self, layout: Layout) -> None:
         for region in self._regions:
             region.detach()
@@ -280,6 +315,8 @@ class CheckpointPlan:
                 member.region = region
             self._regions.append(region)
         self.layout = layout
+        if "offload" not in layout.modes:  # the pinned host memory of an earlier offload plan goes back
+            offload.release_host_memory(self.shared)
         if layout.num_checkpointed:
             self._cache_configs.extend(_disable_hf_cache(self._root))
 
@@ -291,6 +328,7 @@ class CheckpointPlan:
         for region in self._regions:
             region.detach()
         self._regions = []
+        offload.release_host_memory(self.shared)
         for fwd in self._forwards:
             if fwd.block.__dict__.get("forward") is fwd:
                 if fwd.prior is None:

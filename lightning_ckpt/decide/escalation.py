@@ -16,15 +16,25 @@ group region   2     only the region's input saved, but K blocks replayed at onc
 So ``selective``, ``group:K``, ``offload`` and per-block ``modes`` plans (a budget's choice, or blocks that
 ``stateful="skip"`` keeps off) escalate to the first ladder rung that dominates them, and the default ladder
 ``none → every:2 → all`` is walked upward in order. Pure Python on :class:`~lightning_ckpt.core.policy.Layout`.
+
+A rung that offloads is refused (:func:`offload_refusal`, skipped by :func:`stronger_rungs` given a
+:class:`HostRoom`) when the host memory of the node cannot hold what it would move: the bytes each block moved in
+an earlier offloaded step (:attr:`lightning_ckpt.core.offload.HostOffload.per_block`), summed over the rung's
+offloaded blocks and over the node's ranks. Without such a measurement the rung is taken, and the offload hooks
+themselves refuse during the step as soon as the host cannot hold what they move
+(:class:`~lightning_ckpt.core.offload.HostMemoryError`).
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Optional, Sequence, Tuple
 
+from lightning_ckpt.core.offload import offload_state
 from lightning_ckpt.core.policy import Layout, compiler_fraction, parse_policy
+from lightning_ckpt.core.units import format_bytes
 
-__all__ = ["block_strength", "next_rung", "stronger", "stronger_rungs"]
+__all__ = ["HostRoom", "block_strength", "host_room", "next_rung", "offload_refusal", "stronger", "stronger_rungs"]
 
 _STRENGTH = {"off": 0, "selective": 1, "recompute": 3, "offload": 4}
 _GROUPED = 2
@@ -52,18 +62,75 @@ def stronger(new: Layout, old: Layout, accelerator: bool) -> bool:
     return then != now and all(a >= b for a, b in zip(then, now))
 
 
-def stronger_rungs(current: Layout, ladder: Sequence[str], accelerator: bool) -> Iterator[str]:
-    """The rungs of ``ladder`` that are :func:`stronger` than ``current``, in ladder order."""
+def stronger_rungs(current: Layout, ladder: Sequence[str], accelerator: bool,
+                   room: Optional["HostRoom"] = None) -> Iterator[str]:
+    """The rungs of ``ladder`` that are :func:`stronger` than ``current``, in ladder order; with ``room``, without
+    the rungs :func:`offload_refusal` refuses."""
     for rung in ladder:
         try:
             layout = parse_policy(rung).layout(len(current.modes))
         except ValueError:  # e.g. blocks: indices beyond this model
             continue
-        if stronger(layout, current, accelerator):
+        if stronger(layout, current, accelerator) and (room is None or offload_refusal(layout, room) is None):
             yield rung
 
 
-def next_rung(current: Layout, ladder: Sequence[str], accelerator: bool) -> Optional[str]:
+def next_rung(current: Layout, ladder: Sequence[str], accelerator: bool,
+              room: Optional["HostRoom"] = None) -> Optional[str]:
     """The first rung of ``ladder`` stronger than ``current``; ``None`` when there is none (the caller stops with
     the diagnosis)."""
-    return next(stronger_rungs(current, ladder, accelerator), None)
+    return next(stronger_rungs(current, ladder, accelerator, room), None)
+
+
+# ------------------------------------------------------------------------------------------------ host memory
+
+
+@dataclass(frozen=True)
+class HostRoom:
+    """What offloading would move and what the host of this node has.
+
+    Attributes:
+        available: bytes of host memory the node can give to offload (what the system has available, plus what
+            the ranks' offload arenas already hold, which they reuse).
+        local_ranks: processes on this node; each moves as much as this one.
+        per_block: host bytes each block moved in its last offloaded call on this rank, by block index (measured).
+    """
+
+    available: int
+    local_ranks: int = 1
+    per_block: Mapping[int, int] = field(default_factory=dict)
+
+    def moved(self, layout: Layout) -> Optional[int]:
+        """Bytes one rank would move under ``layout``: the measured blocks' figures, the mean of them for offloaded
+        blocks not measured yet (repeated blocks move alike); ``None`` when no offloaded block was measured."""
+        blocks = [i for i, mode in enumerate(layout.modes) if mode == "offload"]
+        known = [self.per_block[i] for i in blocks if i in self.per_block]
+        if not blocks or not known:
+            return None
+        return sum(known) + (len(blocks) - len(known)) * (sum(known) // len(known))
+
+
+def offload_refusal(layout: Layout, room: Optional[HostRoom]) -> Optional[str]:
+    """Why ``layout`` cannot be offloaded on this node (the message names both figures), or ``None``: it can, it
+    offloads nothing, or what it would move is not known yet."""
+    moved = room.moved(layout) if room is not None else None
+    if moved is None:
+        return None
+    need = moved * room.local_ranks
+    if need <= room.available:
+        return None
+    per_rank = f" ({format_bytes(moved)} per rank × {room.local_ranks} ranks)" if room.local_ranks > 1 else ""
+    return (f"offload refused; keep a recompute plan ('all'), a smaller micro-batch, or free host memory: its blocks "
+            f"would hold {format_bytes(need)} of host memory on this node{per_rank}, measured in an earlier "
+            f"offloaded step, and the host has {format_bytes(room.available)} available.")
+
+
+def host_room(plan: Any) -> Optional[HostRoom]:
+    """The :class:`HostRoom` of a :class:`~lightning_ckpt.core.wrap.CheckpointPlan` from its offload state (host
+    memory read now); ``None`` when the plan has never offloaded."""
+    state = offload_state(plan, create=False)
+    if state is None or not state.per_block:
+        return None
+    own = state.pinned_bytes * state.local_ranks
+    return HostRoom(available=state.host_memory() + own, local_ranks=state.local_ranks,
+                    per_block=dict(state.per_block))

@@ -1,9 +1,11 @@
 """Policy grammar, canonical specs, layouts and errors (``lightning_ckpt.core.policy``)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
+from _torch_features import needs_compiler_budget
 
 from lightning_ckpt.core.policy import (
     GRAMMAR,
@@ -58,7 +60,6 @@ PARSED = [
     ("budget:0.8", BudgetPolicy(0.8), "budget:0.8"),
     ("budget:1.0", BudgetPolicy(1.0), "budget:1.0"),
     ("modes:off,recompute,selective", ModesPolicy((OFF, RE, "selective")), "modes:off,recompute,selective"),
-    ("modes:off,compiler:0.5", ModesPolicy((OFF, "compiler:0.5")), "modes:off,compiler:0.5"),
     # whitespace and the name's case are forgiven
     ("  Every : 2 ", EveryPolicy(2), "every:2"),
     ("ALL", AllPolicy(), "all"),
@@ -430,3 +431,68 @@ def test_the_compilers_budget_mode_reads_its_fraction(mode, fraction):
 
     assert compiler_fraction(mode) == fraction
     assert is_mode(mode) == (fraction is not None or mode in MODES)
+
+
+# ------------------------------------------------------------------------- selective and random numbers
+
+
+@pytest.mark.parametrize("op", ["rand_like", "randn_like", "native_dropout", "bernoulli", "rand", "randn", "randint",
+                                "randint_like", "normal", "uniform", "multinomial", "exponential", "dropout"])
+def test_a_save_list_naming_an_op_that_always_draws_is_refused(op):
+    with pytest.raises(ValueError) as err:
+        parse_policy(f"selective:mm,{op}")
+    message = str(err.value)
+    assert f"drop {op!r} from the save list" in message
+    assert "draws random numbers" in message and "shifted" in message
+    with pytest.raises(ValueError, match=f"drop {op!r} from the save list"):
+        SelectivePolicy(("mm", op))
+
+
+def test_the_refusal_says_what_to_do_first():
+    with pytest.raises(ValueError) as err:
+        parse_policy("selective:mm,rand_like")
+    assert str(err.value) == (
+        "Malformed policy 'selective:mm,rand_like': selective: drop 'rand_like' from the save list "
+        "(e.g. 'selective:mm,sdpa'): it draws random numbers, and a kept op is skipped when its block is replayed, "
+        "so every later random op of the block would draw a shifted stream and the gradients would be wrong. "
+        f"Valid policies: {GRAMMAR}."
+    )
+
+
+def test_an_explicit_modes_save_list_is_checked_too():
+    with pytest.raises(ValueError, match=r"drop 'bernoulli' from the save list"):
+        ModesPolicy(("selective", "off"), save_ops=("mm", "bernoulli"))
+    with pytest.raises(ValueError, match=r"^selective: unknown op 'nope'; use a torch\.ops\.aten op name"):
+        ModesPolicy(("selective", "off"), save_ops=("mm", "nope"))
+    assert ModesPolicy(("selective", "off"), save_ops=["mm", "addmm"]).save_ops == ("mm", "addmm")
+
+
+@pytest.mark.parametrize("spec", ["selective", "selective:sdpa", "selective:_scaled_dot_product_efficient_attention",
+                                  "selective:_efficient_attention_forward", "selective:mm,gelu"])
+def test_attention_ops_stay_listable(spec):
+    """Every SDPA overload is tagged ``nondeterministic_seeded`` whatever its ``dropout_p``: the tag alone must not
+    strip attention from ``selective``."""
+    policy = parse_policy(spec)
+    assert policy.layout(2).save_ops
+
+
+@needs_compiler_budget
+def test_a_compiler_mode_parses_and_prints_back():
+    policy = parse_policy("modes:off,compiler:0.5")
+    assert policy == ModesPolicy((OFF, "compiler:0.5")) and policy.spec == "modes:off,compiler:0.5"
+
+
+def test_compiler_modes_are_refused_before_training_on_a_torch_without_the_regions_budget(monkeypatch):
+    """torch 2.11 has no region_activation_memory_budget: ``compiler:<f>`` fails at parse time naming the version,
+    the attribute and the modes to use instead (the budget then offers no compiler fractions)."""
+    import torch
+
+    from lightning_ckpt.core.policy import compiler_budget_unavailable
+
+    monkeypatch.delattr(torch.autograd.graph, "region_activation_memory_budget", raising=False)
+    assert "region_activation_memory_budget" in compiler_budget_unavailable()
+    version = re.escape(torch.__version__)
+    with pytest.raises(ValueError, match=r"modes \['compiler:0.5'\]: upgrade torch or choose among \['off', "
+                                         rf"'recompute', 'selective', 'offload'\] .* torch {version} does not have"):
+        parse_policy("modes:off,compiler:0.5")
+    assert parse_policy("modes:off,recompute").spec == "modes:off,recompute"  # the other modes are untouched

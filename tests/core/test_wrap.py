@@ -8,12 +8,15 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint as _cp
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointError, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt import ForeignCheckpointingError, apply_policy, get_plan, remove_checkpointing
+from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
 
 POLICIES = ["none", "all", "every:2", "first:2", "blocks:1,3", "group:2", "group:sqrt", "selective", "offload"]
@@ -688,3 +691,146 @@ def test_an_instance_forward_set_by_someone_else_keeps_running_and_comes_back(st
     remove_checkpointing(stack)
     assert stack.blocks[0].forward is plain_forward
     assert stack.blocks[1].forward.__func__ is method and stack.blocks[1].forward.__self__ is stack.blocks[1]
+
+
+# ------------------------------------------------------------------ RNG of every device a block receives
+
+
+class KeywordBlock(nn.Module):
+    """Receives every tensor by keyword, one nested in a dict of tuples; ``debug`` is also a ``checkpoint`` keyword."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.2)
+        self.calls = 0
+        self.counting = True
+
+    def forward(self, *, x, extras=None, debug=False):
+        if self.counting:  # a side effect torch.compile cannot trace inside a checkpoint
+            self.calls += 1
+        y = self.drop(torch.tanh(self.lin(x)))
+        if extras is not None:
+            y = y * extras["scale"][0]
+        return x + y if not debug else x + 2 * y
+
+
+class KeywordStack(nn.Module):
+    def __init__(self, n=4, width=16):
+        super().__init__()
+        self.blocks = nn.ModuleList(KeywordBlock(width) for _ in range(n))
+
+    def forward(self, h, scale=None):
+        extras = None if scale is None else {"scale": (scale,)}
+        for block in self.blocks:
+            h = block(x=h, extras=extras, debug=True)
+        return h
+
+
+@pytest.fixture
+def device_collection(monkeypatch):
+    """The ids of the tensors ``checkpoint`` hands to its device-state collection, one set per checkpoint frame.
+
+    ``_infer_device_type`` picks the device module whose RNG states ``get_device_states`` then saves, from the same
+    arguments; on the CPU it is the part of that collection that runs (no accelerator is initialised)."""
+    seen = []
+    original = _cp._infer_device_type
+
+    def record(*args):
+        seen.append({id(t) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)})
+        return original(*args)
+
+    monkeypatch.setattr(_cp, "_infer_device_type", record)
+    return seen
+
+
+def _block_inputs(model):
+    inputs = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, args, kwargs: inputs.append(kwargs["x"]), with_kwargs=True)
+    return inputs
+
+
+@pytest.mark.parametrize("policy, frames", [("all", [0, 1, 2, 3]), ("selective", [0, 1, 2, 3]), ("group:2", [0, 2])])
+def test_keyword_tensors_reach_checkpoints_device_state_collection(device_collection, policy, frames):
+    torch.manual_seed(0)
+    model = KeywordStack()
+    apply_policy(model, policy)
+    inputs = _block_inputs(model)
+    scale = torch.full((16,), 0.5)
+    out = model(torch.randn(2, 3, 16), scale)
+    assert len(device_collection) == len(frames)
+    for seen, block in zip(device_collection, frames):
+        assert id(inputs[block]) in seen, f"block {block}'s keyword input is not among the device-state inputs"
+        assert id(scale) in seen  # nested in a dict of tuples
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("policy", ["all", "selective", "group:2", "group:4"])
+def test_keyword_only_blocks_train_bitwise_and_replay_once(policy):
+    torch.manual_seed(0)
+    model = KeywordStack()
+    reference = copy.deepcopy(model)
+    x, scale = torch.randn(2, 3, 16, requires_grad=True), torch.full((16,), 0.5, requires_grad=True)
+    results = []
+    for m in (reference, model):
+        if m is model:
+            apply_policy(m, policy)
+        _reset_calls(m)
+        torch.manual_seed(3)
+        m(x, scale).pow(2).mean().backward()
+        results.append(({n: p.grad.clone() for n, p in m.named_parameters()}, x.grad.clone(), scale.grad.clone()))
+        x.grad = scale.grad = None
+    (grads_ref, x_ref, s_ref), (grads, x_grad, s_grad) = results
+    assert torch.equal(x_grad, x_ref) and torch.equal(s_grad, s_ref)
+    assert all(torch.equal(grads[n], grads_ref[n]) for n in grads)
+    assert _calls(model) == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("policy", ["all", "group:2"])
+def test_replay_hooks_still_see_the_keyword_arguments(policy):
+    torch.manual_seed(0)
+    model = KeywordStack()
+    apply_policy(model, policy)
+    seen = []
+
+    def hook(owner, fn, args, kwargs):
+        seen.append((args, sorted(kwargs)))
+        return fn(*args, **kwargs)
+
+    with register_replay_hook(hook):
+        model(torch.randn(2, 3, 16), torch.ones(16)).sum().backward()
+    assert seen and all(entry == ((), ["debug", "extras", "x"]) for entry in seen)
+
+
+@pytest.mark.parametrize("policy", ["all", "selective"])
+def test_keyword_only_blocks_compile_into_one_graph(policy):
+    torch.manual_seed(0)
+    model = KeywordStack()
+    for block in model.blocks:
+        block.counting, block.drop.p = False, 0.0
+    reference = copy.deepcopy(model)
+    apply_policy(model, policy)
+    x, scale = torch.randn(2, 3, 16), torch.full((16,), 0.5)
+    reference(x, scale).pow(2).mean().backward()
+    torch.compile(model, backend="aot_eager", fullgraph=True)(x, scale).pow(2).mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["all", "group:2"])
+def test_cuda_rng_preserved_for_keyword_only_inputs(policy):
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = KeywordStack(width=64).to(device)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32, 64, device=device)
+    grads = []
+    for m in (reference, model):
+        if m is model:
+            apply_policy(m, policy)
+        torch.manual_seed(5)
+        m(x).pow(2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    assert all(torch.equal(grads[1][n], grads[0][n]) for n in grads[0])
