@@ -97,7 +97,9 @@ class ActivationCheckpointing(Callback):
     (``log_every_n_steps``; with gradient accumulation the figures cover all micro-batches of the step):
 
     - ``memory/peak_allocated_gib``, ``memory/peak_reserved_gib``: CUDA allocator peaks, reset every step (no
-      device sync). On the CPU there is no allocator counter and these keys are not logged (no fake zeros).
+      device sync). On the CPU there is no allocator counter and these keys are not logged (no fake zeros); nor
+      under CUDA graphs (``torch.compile(mode="reduce-overhead")``), whose memory pools make them meaningless: a
+      one-time warning names the fix and the report says so (:mod:`lightning_ckpt.lightning.compiled`).
     - ``memory/params_gib``, ``memory/grads_gib``, ``memory/optimizer_gib`` (every tensor of the optimizer's
       state), ``memory/optimizer_master_gib`` (when master copies exist), ``memory/activations_gib`` (the
       step's activation peak including a block's replay transient; device independent, see
@@ -105,10 +107,12 @@ class ActivationCheckpointing(Callback):
       (reserved − allocated).
     - ``throughput/tokens_per_sec``, ``throughput/samples_per_sec``, ``time/step_s``: tokens counted from the
       batch (``attention_mask`` non-padding when present, else the token tensor's size) or by ``tokens_fn``;
-      time from the end of the previous optimizer step, validation excluded.
+      time from the end of the previous optimizer step, validation excluded: on CUDA the device's time between
+      CUDA events recorded at the step boundaries, read on logging steps only (one wait there, none elsewhere).
     - ``checkpointing/blocks`` (blocks checkpointed this step) and ``checkpointing/level`` (rung of the
       escalation ladder, with ``auto_threshold``).
-    - The progress bar shows ``act_GiB`` and ``tok/s``.
+    - The progress bar shows ``act_GiB`` and ``tok/s``. The figures are written to ``trainer.loggers`` directly
+      (not through ``self.log``: no device tensor per value) and are in ``trainer.callback_metrics``.
     - Several processes: memory lines are the maximum over ranks, throughput the sum; only rank zero writes.
       With a ``TensorBoardLogger`` a custom-scalars layout puts the ledger lines in one "Memory" chart beside
       "Throughput" and "Checkpointing".
@@ -135,8 +139,9 @@ class ActivationCheckpointing(Callback):
 
     Diagnosis: at the end of ``fit`` (and on :meth:`report`) rank zero prints the ledger table and the seed's
     advice, and writes ``lightning_ckpt_report.json`` beside the logs. Before the first step, and on every plan
-    change, the plan is checked for replay hazards (``stateful``); with ``verify=True`` the first batch is run
-    with and without checkpointing and compared (:func:`lightning_ckpt.decide.verify.verify_equivalence`).
+    change, the plan is checked for replay hazards (``stateful``); with ``verify=True`` every checkpointed block
+    of the first batch is run in its mode and plain, under the training step's precision, and compared
+    (:func:`lightning_ckpt.decide.verify.verify_equivalence`).
 
     Known limitations:
         - Only ``fit`` applies the plan; ``validate``/``test``/``predict`` alone leave the model untouched.
