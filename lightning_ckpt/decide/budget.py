@@ -32,6 +32,7 @@ It is exact because the peak of a prefix only depends on these three numbers (te
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -289,6 +290,18 @@ class BudgetCalibration:
        (a Transformer's blocks are alike); bytes stay per block.
     3. :func:`plan_budget` picks the plan; the step after it is measured and compared with the prediction; if it
        does not fit, the budget is lowered by the overshoot and the plan is chosen again, once.
+    4. A step that runs out of memory (the caller calls :meth:`out_of_memory` and retries it under a stronger plan
+       of its own) is no stage: what the stage had measured is taken back, its plan is recorded as not fitting
+       (:attr:`unfit`), and the retried step is recorded as nothing. The stage is replaced by stronger stages that
+       measure what it was to measure (:meth:`_stronger_stages`: its ``off`` blocks in halves, the others
+       recomputed), and a later stage that is at most as strong as a plan that did not fit, block by block, is
+       replaced the same way without being run. A block that never fitted ``off`` is priced with the interior
+       measured on a block of its class, else with what its replay creates (an upper bound: a replay recreates what
+       the block saves). The plan is then chosen below the lowest peak of the plans that did not fit (predicted, or
+       measured where they ran), and when nothing predicted fits there, the fastest plan that ran is taken. When
+       the verifying step runs out of memory, its plan joins :attr:`unfit`, the plan is chosen again the same way
+       and verified on the next step. So the calibration runs no plan weaker than one that ran out of memory and
+       never records a retried step.
 
     Args:
         plan: the :class:`~lightning_ckpt.core.wrap.CheckpointPlan` to drive.
@@ -325,9 +338,15 @@ class BudgetCalibration:
         # every block recomputed first: its peak is a replay in backward, which tells the backward base apart
         self.block_caller, self.repeats = block_caller, repeats
         kinds = ("bytes",) if block_caller is not None else ("bytes", "time")
-        self.stages = [("recompute", "all", "bytes")] * ("recompute" in self.modes) + [
-            (mode, parity, kind) for mode in self.modes for parity in (0, 1) for kind in kinds]
         n = plan.num_blocks
+
+        def alternate(mode: str, parity: int) -> Tuple[str, ...]:  # the mode on blocks i % 2 == parity, else off
+            return tuple(mode if i % 2 == parity else "off" for i in range(n))
+
+        # (the mode the stage prices, the modes of its blocks, "bytes" or "time"); replaced in place on out of memory
+        self.stages: List[Tuple[str, Tuple[str, ...], str]] = [("recompute", ("recompute",) * n, "bytes")] * (
+            "recompute" in self.modes) + [(mode, alternate(mode, parity), kind)
+                                          for mode in self.modes for parity in (0, 1) for kind in kinds]
         self.interior: List[int] = [0] * n
         self.boundary: List[int] = [0] * n
         self.seconds: List[List[float]] = [[] for _ in range(n)]  # forward time, off
@@ -346,7 +365,12 @@ class BudgetCalibration:
         self._inputs: Dict[int, object] = {}  # block_caller: the timed block of each class -> its captured input
         self.block_seconds: Dict[str, Dict[str, float]] = {}  # block_caller: class -> mode -> seconds added
         self.compiled_kept: Dict[str, Dict[str, int]] = {}  # compiler modes: class -> mode -> bytes kept compiled
-        self._calibration_peaks: List[int] = []
+        self._calibration_peaks: List[Tuple[Tuple[str, ...], int]] = []  # the bytes stages run: (modes, peak)
+        self.unfit: List[Tuple[str, ...]] = []  # plans that ran out of memory (stages, or a chosen plan verified)
+        self._measured_off: set = set()  # blocks whose interior was measured (off in a bytes stage that fitted)
+        self._failed = False  # the step in flight ran out of memory: its retry is no stage's
+        self._snapshot: Optional[tuple] = None  # the measurements before the stage in flight
+        self._reapply = False  # the chosen plan is to be applied again (its verifying step was retried)
 
     @property
     def calibrating(self) -> bool:
@@ -370,29 +394,37 @@ class BudgetCalibration:
         return self.stage > len(self.stages)
 
     def begin_step(self) -> None:
-        """Before the first micro-batch of an optimizer step: set the modes for this stage."""
+        """Before the first micro-batch of an optimizer step: set the modes for this stage (on the verifying step
+        after a retried one, the chosen plan again)."""
+        self._failed = False
+        self._skip_unfit_stages()
         if self.calibrating:
+            self._snapshot = self._measurements()
             self.apply(self._stage_modes(self.stage))
             if not self._handles:
                 self._install()
+        elif not self.done and self.chosen is None:  # the last stages were replaced by none: choose now
+            self._finish()
+        elif not self.done and self._reapply:
+            self._reapply = False
+            self.apply(self.chosen.modes)
+            self.plan.annotate(self.chosen.notes())
 
     def end_step(self, activations: int) -> None:
         """After the optimizer step, with the step's measured activation peak (bytes). With ``compiler:<f>`` blocks
-        in the plan, the figure of the plan as it runs compiled: an eager figure less :meth:`compiled_savings`."""
+        in the plan, the figure of the plan as it runs compiled: an eager figure less :meth:`compiled_savings`.
+        A step that ran out of memory and was retried (:meth:`out_of_memory`) is ignored."""
+        if self._failed:  # retried under a stronger plan: its figure is that plan's, no stage's and no verification
+            self._failed = False
+            return
         if self.calibrating:
-            if self.stages[self.stage][2] == "bytes":
-                self._calibration_peaks.append(activations)
+            _, modes, kind = self.stages[self.stage]
+            if kind == "bytes":
+                self._calibration_peaks.append((modes, activations))
             self.stage += 1
+            self._skip_unfit_stages()
             if not self.calibrating:
-                self._remove()
-                if self.block_caller is not None:
-                    self._time_blocks()
-                # what the blocks do not explain (embeddings, logits, loss), forward and backward apart
-                byte_stages = [i for i, stage in enumerate(self.stages) if stage[2] == "bytes"]
-                self.measured_plans.update({tuple(self._stage_modes(i)): peak
-                                            for i, peak in zip(byte_stages, self._calibration_peaks)})
-                self._base = self._fit_base([self._stage_modes(i) for i in byte_stages], self._calibration_peaks)
-                self._choose(self.budget)
+                self._finish()
             return
         if not self.done:
             self.measured = activations
@@ -409,11 +441,171 @@ class BudgetCalibration:
         the end (the verifying step is the caller's)."""
         while self.calibrating:
             self.begin_step()
-            self.end_step(step(self.exact_step))
+            if self.calibrating:  # begin_step may have replaced the last stages by none, and chosen
+                self.end_step(step(self.exact_step))
+
+    def out_of_memory(self) -> None:
+        """The step in flight ran out of memory; the caller retries it under a stronger plan of its own choosing
+        (the escalation's next rung). Records the plan as not fitting, takes back what the stage had measured, and
+        replaces the stage (or, on the verifying step, the chosen plan: chosen again, verified on the next step);
+        the retried step is ignored by :meth:`end_step`, and the calibration's hooks measure nothing until the next
+        :meth:`begin_step`. A second error in the same step (the retry's) changes nothing more."""
+        if self._failed or self.done:
+            return
+        self._failed = True
+        self._open.clear()
+        if self.calibrating:
+            if self._snapshot is not None:
+                self._restore(self._snapshot)
+            label, modes, kind = self.stages[self.stage]
+            self._note_unfit(modes)
+            replaced = self._replace_stage()
+            self.messages.append(f"budget calibration: the {kind} stage {mode_mix(modes)} ran out of memory; "
+                                 f"measuring {label!r} with {len(replaced)} stronger stage(s) instead")
+            return
+        if self.chosen is None:
+            return
+        failed = self.chosen.modes
+        self._note_unfit(failed)
+        self._choose(self.budget, apply=False)
+        if self.chosen.modes in self.unfit:  # even the plans that ran no longer fit (memory grew): give up
+            self.stage = len(self.stages) + 1
+            self.messages.append(f"budget plan {mode_mix(failed)} ran out of memory and no plan the calibration ran "
+                                 "fits any more; training goes on under the retried step's plan")
+            return
+        self._reapply = True
+        self.messages.append(f"budget plan {mode_mix(failed)} ran out of memory; verifying "
+                             f"{mode_mix(self.chosen.modes)} on the next step")
 
     def _stage_modes(self, stage: int) -> List[str]:
-        mode, parity, _ = self.stages[stage]
-        return [mode if parity == "all" or i % 2 == parity else "off" for i in range(self.plan.num_blocks)]
+        return list(self.stages[stage][1])
+
+    def _finish(self) -> None:
+        """The stages are over: price what was not measured, fit the bases, choose the plan and apply it."""
+        self._remove()
+        if self.block_caller is not None:
+            self._time_blocks()
+        self._price_unmeasured_interiors()
+        ran = [(modes, peak) for modes, peak in self._calibration_peaks if modes not in self.unfit]
+        self.measured_plans.update(dict(ran))
+        # what the blocks do not explain (embeddings, logits, loss), forward and backward apart
+        self._base = self._fit_base([list(m) for m, _ in self._calibration_peaks],
+                                    [peak for _, peak in self._calibration_peaks])
+        self._choose(self.budget)
+
+    # -- out of memory: stages that do not fit, and what replaces them
+    def _note_unfit(self, modes: Sequence[str]) -> None:
+        modes = tuple(modes)
+        if modes not in self.unfit:
+            self.unfit.append(modes)
+        self.measured_plans.pop(modes, None)
+
+    def _dominated(self, modes: Sequence[str]) -> bool:
+        """``modes`` is, block by block, at most as strong as a plan that ran out of memory: it would too."""
+        strength = [_STRENGTH.get(m, 0) for m in modes]
+        return any(all(a <= _STRENGTH.get(b, 0) for a, b in zip(strength, unfit)) for unfit in self.unfit)
+
+    def _skip_unfit_stages(self) -> None:
+        """Replace, without running them, the next stages that would run out of memory (:meth:`_dominated`)."""
+        while self.calibrating and self._dominated(self.stages[self.stage][1]):
+            self._replace_stage()
+
+    def _replace_stage(self) -> List[Tuple[str, Tuple[str, ...], str]]:
+        """Put :meth:`_stronger_stages` of the current stage in its place (none already planned or run)."""
+        label, modes, kind = self.stages[self.stage]
+        planned = {(m, k) for _, m, k in self.stages}
+        new: List[Tuple[str, Tuple[str, ...], str]] = []
+        for stronger in self._stronger_stages(modes):
+            if (stronger, kind) not in planned:
+                planned.add((stronger, kind))
+                new.append((label, stronger, kind))
+        self.stages[self.stage:self.stage + 1] = new
+        return new
+
+    @staticmethod
+    def _stronger_stages(modes: Sequence[str]) -> List[Tuple[str, ...]]:
+        """Plans stronger than ``modes`` (a stage that does not fit) that measure what it was to measure.
+
+        Its ``off`` blocks (priced by their interior) in two halves, each with the other half recomputed; with one
+        ``off`` block left, that block beside recomputed ones, and the stage's other weak blocks (``selective``)
+        without it; with no ``off`` block, the ``selective`` blocks in halves the same way. Nothing when one block
+        is all that is left to measure: it does not fit beside blocks that are all recomputed or stronger.
+        """
+        weak = [i for i, m in enumerate(modes) if _STRENGTH.get(m, 0) < _STRENGTH["recompute"]]
+        off = [i for i in weak if modes[i] == "off"]
+        others = [i for i in weak if modes[i] != "off"]
+
+        def recomputed(blocks: Sequence[int]) -> Tuple[str, ...]:
+            return tuple("recompute" if i in blocks else m for i, m in enumerate(modes))
+
+        group = off or others
+        if len(group) >= 2:
+            half = len(group) // 2
+            return [recomputed(group[half:]), recomputed(group[:half])]
+        if off and others:
+            return [recomputed(others), recomputed(off)]
+        return []
+
+    def _measurements(self) -> tuple:
+        """What a stage writes, as it is before the stage (taken back if the stage runs out of memory)."""
+        values = (self.interior, self.boundary, self.seconds, self.kept, self.replay_bytes, self.forward_seconds,
+                  self.mode_seconds, self._measured_off)
+        return copy.deepcopy(values), dict(self._inputs)  # the captured inputs are tensors: not copied
+
+    def _restore(self, snapshot: tuple) -> None:
+        values, inputs = snapshot
+        (self.interior, self.boundary, self.seconds, self.kept, self.replay_bytes, self.forward_seconds,
+         self.mode_seconds, self._measured_off) = copy.deepcopy(values)
+        self._inputs = dict(inputs)  # drops what the failed attempt captured (and the memory it holds)
+
+    def _price_unmeasured_interiors(self) -> None:
+        """Blocks never run ``off`` in a stage that fitted: the interior measured on a block of the same class, else
+        what the block's replay created (an upper bound of what it saves)."""
+        classes = [type(b).__name__ for b in self.plan.blocks]
+        replays = self.replay_bytes.get("recompute", [None] * self.plan.num_blocks)
+        priced = []
+        for i in range(self.plan.num_blocks):
+            if i in self._measured_off:
+                continue
+            same = [self.interior[j] for j in self._measured_off if classes[j] == classes[i]]
+            estimate = max(same) if same else replays[i]
+            if estimate is not None:
+                self.interior[i] = estimate
+                priced.append(i)
+        if priced:
+            self.messages.append(f"budget calibration: blocks {priced} never fitted 'off'; priced with "
+                                 "the interior of a block of their class, else with what their replay creates")
+
+    def _device_limit(self, costs: Sequence["BlockCost"]) -> Optional[int]:
+        """The lowest activation peak of the plans that ran out of memory: measured where they ran (a bytes stage
+        whose time stage did not fit), else predicted; ``None`` when every plan fitted."""
+        ran = dict(self._calibration_peaks)
+        peaks = []
+        for modes in self.unfit:
+            try:
+                predicted = predict_peak(costs, modes, self._base)
+            except ValueError:  # a mode never measured on some block: that plan cannot be chosen anyway
+                predicted = None
+            candidates = [v for v in (predicted, ran.get(modes)) if v is not None]
+            if candidates:
+                peaks.append(min(candidates))
+        return min(peaks) if peaks else None
+
+    def _fallback(self, costs: Sequence["BlockCost"], budget: int) -> Optional[BudgetPlan]:
+        """The fastest plan that ran and fitted (within ``budget`` if one does, else the lowest), as a plan."""
+        known = [(p, v) for p, v in self.measured_plans.items() if p not in self.unfit and len(p) == len(costs)]
+        if not known:
+            return None
+
+        def seconds(plan: Sequence[str]) -> float:
+            return sum(c.option(m).seconds for c, m in zip(costs, plan))
+
+        within = [(p, v) for p, v in known if v <= budget]
+        plan, peak = min(within, key=lambda pv: (seconds(pv[0]), pv[1])) if within else min(known,
+                                                                                         key=lambda pv: pv[1])
+        choices = tuple((c.option(m), c.option("off")) for c, m in zip(costs, plan))
+        return BudgetPlan(tuple(plan), peak, seconds(plan), peak <= budget, budget, min(v for _, v in known),
+                          choices)
 
     def compiled_savings(self, modes: Sequence[str]) -> int:
         """Bytes a plan's ``compiler:<f>`` blocks save compiled against the same plan run eagerly (where they are
@@ -492,13 +684,24 @@ class BudgetCalibration:
             return None
         return max((forward if forward is not None else off) - off, 0.0) + replay
 
-    def _choose(self, budget: int) -> None:
+    def _choose(self, budget: int, apply: bool = True) -> None:
+        """Choose the plan for ``budget``, held below every plan that ran out of memory (:attr:`unfit`)."""
         modes = ("off", *self.modes, *[COMPILER_MODE] * bool(self.compiler_modes))
-        self.chosen = plan_budget(self.costs(), max(budget, 0), base=self._base, modes=modes,
-                                  measured=self.measured_plans)
-        self.apply(self.chosen.modes)
-        self.plan.annotate(self.chosen.notes())
-        self.messages.append(self.chosen.summary())
+        costs = self.costs()
+        limit = self._device_limit(costs)
+        if limit is not None and limit <= budget:
+            budget = limit - 1
+            self.messages.append(f"budget plan held below {format_bytes(limit)}: {len(self.unfit)} plan(s) at or "
+                                 "above it ran out of memory on this device")
+        measured = {p: v for p, v in self.measured_plans.items() if p not in self.unfit}
+        chosen = plan_budget(costs, max(budget, 0), base=self._base, modes=modes, measured=measured)
+        if self.unfit and (chosen.modes in self.unfit or not chosen.fits):  # nothing predicted fits: one that ran
+            chosen = self._fallback(costs, max(budget, 0)) or chosen
+        self.chosen = chosen
+        if apply:
+            self.apply(chosen.modes)
+            self.plan.annotate(chosen.notes())
+        self.messages.append(chosen.summary())
 
     def _install(self) -> None:
         from lightning_ckpt.core.replay import register_replay_hook
@@ -523,7 +726,7 @@ class BudgetCalibration:
         from lightning_ckpt.decide.block_timing import capture_block_input
 
         def hook(module, args, kwargs):
-            if index not in self._inputs and module.training and torch.is_grad_enabled():
+            if index not in self._inputs and module.training and torch.is_grad_enabled() and not self._failed:
                 self._inputs[index] = capture_block_input(args, kwargs)
 
         return hook
@@ -574,7 +777,7 @@ class BudgetCalibration:
         import torch
 
         def hook(module, args):
-            if not (module.training and torch.is_grad_enabled()):
+            if not (module.training and torch.is_grad_enabled()) or self._failed:
                 return
             self.boundary[index] = max(self.boundary[index], sum(
                 a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
@@ -597,6 +800,7 @@ class BudgetCalibration:
                 (self.seconds if mode == "off" else self.forward_seconds[mode])[index].append(elapsed)
             elif kind == "bytes" and mode == "off":
                 self.interior[index] = self._saved_activations() - saved0
+                self._measured_off.add(index)
             elif kind == "bytes" and mode in self.kept:
                 # what the block leaves alive: its output (the next block's boundary) and what the mode keeps
                 self.kept[mode][index] = max(self._live() - live0 - self._output_bytes(output), 0) \
@@ -617,7 +821,7 @@ class BudgetCalibration:
         from lightning_ckpt.measure.tracker import LiveBytes, exit_mode
 
         index, mode = getattr(owner, "index", None), getattr(owner, "mode", None)
-        if index is None or mode not in self.mode_seconds or not self.calibrating:
+        if index is None or mode not in self.mode_seconds or not self.calibrating or self._failed:
             return fn(*args, **kwargs)
         if self.stages[self.stage][2] == "bytes":  # what the replay creates, at its peak
             scope = LiveBytes(self.meter.device)
@@ -634,6 +838,11 @@ class BudgetCalibration:
         finally:
             self.synchronize()
             self.mode_seconds[mode][index].append(time.perf_counter() - t0)
+
+
+# a block's strength against running out of memory, as lightning_ckpt.decide.escalation ranks modes on an accelerator
+# (not imported: that module imports torch, this one does not)
+_STRENGTH = {"off": 0, "selective": 1, "recompute": 3, "offload": 4}
 
 
 def _compiler_modes(fractions: Sequence[float], block_caller) -> Tuple[str, ...]:

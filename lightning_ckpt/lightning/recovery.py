@@ -16,7 +16,19 @@ What an escalated retry guarantees (``on_oom="escalate"``, one process):
   gradients the failed backward had already added to the earlier micro-batches' are subtracted again (the
   backward's incoming gradients are kept aside while it runs, at most one more gradient line);
 - an error in an *earlier* micro-batch of an accumulation window happens outside the optimizer step (Lightning
-  runs it directly); it is diagnosed (a note on the error), not retried.
+  runs it directly); it is diagnosed (a note on the error), not retried;
+- the failed attempt is gone before the retry starts: every traceback of the error's chain (``__cause__``,
+  ``__context__``, exception groups) is cleared with its frames (:func:`release_failed_attempt`), so the tensors
+  those frames held are freed before ``gc.collect()`` and ``torch.cuda.empty_cache()`` run; then the step's
+  measurement starts over under the new plan (:meth:`~lightning_ckpt.lightning.engine.CheckpointingEngine.restart_step`:
+  the retry's peaks, phases and reference key, nothing of the failed attempt);
+- the retry is inside the closure the precision plugin calls once: with ``16-mixed`` (a ``GradScaler``) the
+  gradients are unscaled, and the optimizer stepped, once per optimizer step. An error after the closure (the
+  optimizer step, gradient clipping) is diagnosed, never retried: the closure would run, and unscale, twice.
+
+A ``budget:`` policy's calibration retries its own out-of-memory steps whatever ``on_oom`` says (one process): the
+calibration chose that plan, not the user. The stage is recorded as not fitting and the step is retried one rung up
+without being recorded as any stage (:meth:`lightning_ckpt.decide.budget.BudgetCalibration.out_of_memory`).
 
 Several processes (DDP, FSDP): a retry on one rank would meet its peers inside a collective of another step, so
 the rank stops with the diagnosis and publishes it in the process group's store; its peers stop when their
@@ -26,6 +38,8 @@ collectives fail and carry that diagnosis on their own error: never a hang.
 from __future__ import annotations
 
 import gc
+import sys
+import traceback
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -37,9 +51,37 @@ from lightning_ckpt.decide.escalation import stronger, stronger_rungs
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_ckpt.lightning.engine import CheckpointingEngine
 
-__all__ = ["GradientJournal", "StepGuard"]
+__all__ = ["GradientJournal", "StepGuard", "release_failed_attempt"]
 
 _STORE_KEY = "lightning_ckpt/out_of_memory"
+
+
+def release_failed_attempt(err: BaseException, keep: Optional[BaseException] = None) -> None:
+    """Let go of what an error's chain holds of the attempt that raised it, so that its tensors are freed now.
+
+    Every exception of the chain — ``__cause__``, ``__context__`` and the members of exception groups, recursively —
+    has its traceback's frames cleared (:func:`traceback.clear_frames`: their locals, the failed forward's tensors
+    among them; frames still running are left alone) and its traceback dropped, and the links of the chain are
+    cut. A frame that holds the exception it caught (``except E as e: kept = e``) is a reference cycle only
+    ``gc`` would break; cleared, it is freed by reference counting. ``err`` keeps its type and message.
+
+    Args:
+        err: the error of the failed attempt.
+        keep: an exception that was being handled before the attempt started (``sys.exc_info()`` then): it is
+            not the attempt's, so it and its own chain are left as they are.
+    """
+    seen = set()
+    pending: List[Optional[BaseException]] = [err]
+    while pending:
+        exc = pending.pop()
+        if exc is None or exc is keep or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        pending.extend((exc.__cause__, exc.__context__, *getattr(exc, "exceptions", ())))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+            exc.__traceback__ = None
+        exc.__cause__ = exc.__context__ = None
 
 
 class GradientJournal:
@@ -124,6 +166,7 @@ class StepGuard:
         """Run ``strategy.optimizer_step`` with a closure that retries on OOM (escalate) or diagnoses it."""
 
         def retrying_closure() -> Any:
+            outside = sys.exc_info()[1]  # being handled by a caller: not the failed attempt's
             while True:
                 journal = self._journal()
                 try:
@@ -135,7 +178,7 @@ class StepGuard:
                         raise
                     if journal is not None:
                         journal.undo()
-                    if not self._escalate(err):
+                    if not self._escalate(err, outside):
                         raise self._stop(err) from err
                 finally:
                     if journal is not None:
@@ -150,19 +193,31 @@ class StepGuard:
                 raise self._stop(err) from err
             raise
 
+    def _calibrating(self) -> bool:
+        """A budget calibration is running (its stages, or the step verifying its choice)."""
+        calibration = self.engine.calibration
+        return calibration is not None and not calibration.done
+
+    def _retries(self) -> bool:
+        """Whether an out-of-memory step is retried: escalation on, or the budget's calibration; one process."""
+        return (self.engine.settings.on_oom == "escalate" or self._calibrating()) and self.world_size == 1
+
     def _journal(self) -> Optional[GradientJournal]:
-        """A journal only where a retry would otherwise double-count: escalation on, earlier micro-batches' grads."""
+        """A journal only where a retry would otherwise double-count: a retry possible, earlier micro-batches' grads."""
         engine = self.engine
-        if engine.settings.on_oom != "escalate" or not self.accumulating or self.world_size > 1 \
-                or engine.module is None:
+        if not self._retries() or not self.accumulating or engine.module is None:
             return None
         return GradientJournal(list(engine.module.parameters()))
 
-    def _escalate(self, err: BaseException) -> bool:
-        """Free what the failed attempt held and move to a stronger plan; ``False`` when that is not possible."""
+    def _escalate(self, err: BaseException, outside: Optional[BaseException] = None) -> bool:
+        """Free what the failed attempt held and move to a stronger plan; ``False`` when that is not possible.
+
+        The order matters: the failed attempt's chain is released first (its tensors freed by reference counting),
+        then ``gc`` and the allocator's cache, then the measurement restarts (its peak counters reset on what is left).
+        """
         engine = self.engine
         plan = engine.plan
-        if engine.settings.on_oom != "escalate" or plan is None or self.world_size > 1:
+        if not self._retries() or plan is None:
             return False
         ladder, before, spec, policy = engine.settings.ladder, plan.layout, plan.spec, plan.policy
         for rung in stronger_rungs(before, ladder, accelerator=engine.on_accelerator):
@@ -174,15 +229,20 @@ class StepGuard:
             if plan.layout != before:
                 engine.change_plan(policy)
             return False
-        err.__traceback__ = None  # the traceback's frames hold the failed attempt's tensors
+        calibration = engine.calibration if self._calibrating() else None
+        if calibration is not None:  # before the release: it drops what the stage captured of the failed attempt
+            calibration.out_of_memory()
+        release_failed_attempt(err, keep=outside)  # the chain's frames hold the failed attempt's tensors
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         phase = engine.phase.phase
         engine.phase.batch_start()
-        engine.info(f"out of memory in the {phase.replace('_', ' ')} phase under policy {spec!r}; retrying the "
-                    f"same micro-batch with policy {plan.spec!r} ({plan.num_checkpointed}/{plan.num_blocks} blocks "
-                    "checkpointed)")
+        engine.restart_step()
+        note = " (a budget calibration step: recorded as not fitting, not as a stage)" if calibration else ""
+        engine.info(f"out of memory in the {phase.replace('_', ' ')} phase under policy {spec!r}{note}; retrying "
+                    f"the same micro-batch with policy {plan.spec!r} ({plan.num_checkpointed}/{plan.num_blocks} "
+                    "blocks checkpointed)")
         return True
 
     def diagnosis(self, err: BaseException) -> OutOfMemoryDiagnosis:

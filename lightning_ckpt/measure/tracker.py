@@ -49,14 +49,21 @@ def storages(t: torch.Tensor):
 class _StorageRef(weakref.ref):
     """A weak reference to a counted tensor or storage that remembers its key and size."""
 
-    __slots__ = ("copy", "key", "nbytes")
+    __slots__ = ("alias", "copy", "key", "nbytes")
 
 
 class SavedBytes:
     """Bytes of tensors saved for backward, one count per live base tensor, with the running peak.
 
-    Installed as the outermost ``saved_tensors_hooks``: ``pack`` returns the tensor unchanged (autograd keeps it
-    exactly as without hooks), so the only effect is bookkeeping. A saved view is counted as its base tensor
+    Installed as the outermost ``saved_tensors_hooks``; the only effect is bookkeeping. ``pack`` returns views and
+    tensors without autograd history unchanged, and for a tensor with history a detached alias of it (the same
+    storage; autograd puts the history back when it unpacks, as ``saved_tensors_hooks`` documents), one alias per
+    tensor, reused by every save of it. Returned as it is, a saved *output* (``exp``, ``softmax``, a custom
+    Function's ``ctx.save_for_backward(out)``) would hold its own autograd node, which holds it: a cycle through
+    C++ that no ``gc`` sees and only running that node's backward breaks, so every graph that is never
+    backpropagated — a forward that ran out of memory before its retry, a grad-enabled side computation for a log —
+    would stay in memory for good. Such a tensor is counted until both it and its alias are dead, which is when it
+    was uncounted before (the saved tensor kept it alive). A saved view is counted as its base tensor
     (``t._base``), which views keep alive: the base is counted once, when first saved, with its
     ``numel × element_size``, and uncounted by a weakref callback when it dies, i.e. when its memory is freed.
     Going through the base rather than ``untyped_storage()`` avoids creating a storage object per tensor
@@ -82,11 +89,14 @@ class SavedBytes:
             root = t
         if type(root) is not torch.Tensor:
             return self._pack_unusual(t, root)
+        ref = None
         if root.is_cpu:
             key = root.data_ptr()
-            if key not in self.tracked and key not in self.static and key:
-                self._add(root, key)
-        return t
+            if key and key not in self.static:
+                ref = self.tracked.get(key)
+                if ref is None:
+                    ref = self._add(root, key)
+        return self._held(t, ref) if t is root and t.requires_grad else t
 
     def _pack_cuda(self, t: torch.Tensor) -> torch.Tensor:
         root = t._base
@@ -94,11 +104,14 @@ class SavedBytes:
             root = t
         if type(root) is not torch.Tensor:
             return self._pack_unusual(t, root)
+        ref = None
         if root.is_cuda and root.get_device() == self.index:
             key = root.data_ptr()
-            if key not in self.tracked and key not in self.static and key:
-                self._add(root, key)
-        return t
+            if key and key not in self.static:
+                ref = self.tracked.get(key)
+                if ref is None:
+                    ref = self._add(root, key)
+        return self._held(t, ref) if t is root and t.requires_grad else t
 
     def _pack_any(self, t: torch.Tensor) -> torch.Tensor:
         root = t._base
@@ -106,40 +119,63 @@ class SavedBytes:
             root = t
         if type(root) is not torch.Tensor:
             return self._pack_unusual(t, root)
+        ref = None
         if root.device == self.device:
             key = root.data_ptr()
-            if key not in self.tracked and key not in self.static and key:
-                self._add(root, key)
-        return t
+            if key and key not in self.static:
+                ref = self.tracked.get(key)
+                if ref is None:
+                    ref = self._add(root, key)
+        return self._held(t, ref) if t is root and t.requires_grad else t
+
+    def _held(self, t: torch.Tensor, ref: Optional[_StorageRef]) -> torch.Tensor:
+        """What autograd keeps of ``t``, a tensor with history (not a view): its detached alias, one per tensor,
+        followed with ``t``'s count (see the class docstring); a fresh one when ``t`` is not what is counted."""
+        if ref is None or ref() is not t:
+            return t.detach()
+        alias = ref.alias() if ref.alias is not None else None
+        if alias is None:
+            alias = t.detach()
+            held = _StorageRef(alias, self._freed)
+            held.key, held.nbytes, held.alias = ref.key, 0, None
+            ref.alias = held
+        return alias
 
     def _pack_unusual(self, t: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
-        """Parameters (never counted) and tensor subclasses (counted through their storages)."""
+        """Parameters (never counted) and tensor subclasses (counted through their storages, whose lifetime a
+        detached alias does not change)."""
         if isinstance(root, nn.Parameter) or isinstance(t, nn.Parameter):
             return t
+        held = t.detach() if t.requires_grad and t._base is None else t  # no cycle with its node (class docstring)
         try:
             if root.device != self.device:
-                return t
+                return held
         except (RuntimeError, NotImplementedError):
-            return t
+            return held
         for st in storages(root):
             key = storage_key(st)
             if key not in self.tracked and key not in self.static:
                 self._add(st, key, st.nbytes())
-        return t
+        return held
 
-    def _add(self, obj, key: int, nbytes: Optional[int] = None) -> None:
+    def _add(self, obj, key: int, nbytes: Optional[int] = None) -> _StorageRef:
         ref = _StorageRef(obj, self._freed)
-        ref.key = key
+        ref.key, ref.alias = key, None
         ref.nbytes = n = obj.nbytes if nbytes is None else nbytes
         self.tracked[key] = ref
         self.live += n
         if self.live > self.peak:
             self.peak = self.live
+        return ref
 
     def _freed(self, ref: _StorageRef) -> None:
-        if self.tracked.get(ref.key) is ref:
+        """A counted tensor or its alias died: uncount it once both are dead."""
+        head = self.tracked.get(ref.key)
+        if head is None or (head is not ref and head.alias is not ref):
+            return
+        if head() is None and (head.alias is None or head.alias() is None):
             del self.tracked[ref.key]
-            self.live -= ref.nbytes
+            self.live -= head.nbytes
 
     def note(self, level: int) -> None:
         if level > self.peak:

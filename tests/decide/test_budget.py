@@ -13,6 +13,7 @@ from lightning_ckpt.decide.budget import (
     smallest_budget,
 )
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
+from lightning_ckpt.measure.tracker import LiveBytes
 
 MiB = 2**20
 UNIFORM = [BlockCost(interior=10 * MiB, boundary=1 * MiB, recompute_s=0.01)] * 6
@@ -345,3 +346,180 @@ def test_budget_plan_is_explained_in_the_summary_the_report_and_tensorboard_tags
     for i, (c, _) in enumerate(chosen.choices):
         assert logged[f"blocks/{i:02d}_kept_gib"] * 2**30 == pytest.approx(c.kept)
         assert logged[f"blocks/{i:02d}_replay_gib"] * 2**30 == pytest.approx(c.replay)
+
+
+# ------------------------------------------------------------------------------ a calibration that runs out of memory
+
+
+def _hand_driven_calibration(budget: int = 2**62):
+    """A calibration of the demo GPT (4 blocks, float32) driven step by step as the callback drives it; returns the
+    calibration, the plan and ``step(exact)`` (one optimizer step, its activation peak)."""
+    from lightning_ckpt.demos import GPTLightningModule
+    from lightning_ckpt.forecast.load import lightning_step, make_optimizers
+    from lightning_ckpt.forecast.precision import parse_precision
+    from lightning_ckpt.measure.meter import StepMeter
+
+    torch.manual_seed(0)
+    module = GPTLightningModule(n_layer=4, n_embd=64, n_head=4, block_size=64, dropout=0.0)
+    module.train()
+    batch, optimizers = module.example_batch(2, 64), make_optimizers(module, None)
+    plan, meter = apply_policy(module, "none"), StepMeter("cpu", model=module)
+
+    def step(exact: bool) -> int:
+        with meter.step(exact=exact) as box:
+            lightning_step(module, batch, optimizers, parse_precision("32-true"))
+        return int(box.reading.activations or 0)
+
+    return BudgetCalibration(plan, meter, budget=budget), plan, step
+
+
+def test_a_calibration_stage_that_runs_out_of_memory_is_replaced_and_its_retry_never_recorded():
+    """Stage 1 (recompute on blocks 0 and 2, the others off) runs out of memory: what it measured is taken back, its
+    plan is recorded as not fitting, the retried step (under 'all') measures and records nothing, the stage is
+    replaced by two stronger ones (one off block each), and its time stage (the same plan) is replaced without
+    being run. The calibration completes: every block priced off, no plan as weak as the unfit one run or chosen."""
+    calibration, plan, step = _hand_driven_calibration()
+    calibration.begin_step()
+    calibration.end_step(step(calibration.exact_step))  # stage 0: every block recomputed
+    before = (list(calibration.interior), {m: list(v) for m, v in calibration.kept.items()})
+    calibration.begin_step()
+    failed = tuple(plan.modes)
+    assert failed == ("recompute", "off", "recompute", "off")
+    step(True)  # the failed attempt measured its blocks before the error
+    assert calibration.interior[1] > 0
+    calibration.out_of_memory()
+    assert calibration.unfit == [failed]
+    assert (calibration.interior, calibration.kept) == before  # taken back
+    assert calibration.stages[1:3] == [("recompute", ("recompute", "off", "recompute", "recompute"), "bytes"),
+                                       ("recompute", ("recompute", "recompute", "recompute", "off"), "bytes")]
+    plan.set_modes(["recompute"] * 4)  # the retry, one rung up
+    peaks = list(calibration._calibration_peaks)
+    calibration.end_step(step(True))
+    assert calibration.stage == 1 and calibration._calibration_peaks == peaks  # the retry is no stage
+    assert (calibration.interior, calibration.kept) == before  # nor measured as one
+    ran = []
+    while calibration.calibrating:
+        calibration.begin_step()
+        if calibration.calibrating:
+            ran.append(tuple(plan.modes))
+            calibration.end_step(step(calibration.exact_step))
+    assert failed not in ran and not any(calibration._dominated(modes) for modes in ran)
+    assert calibration._measured_off == {0, 1, 2, 3}
+    assert failed not in calibration.measured_plans and calibration.chosen is not None
+    assert not calibration._dominated(calibration.chosen.modes)
+
+
+def test_a_verifying_step_that_runs_out_of_memory_is_chosen_again_and_verified_on_the_next_step():
+    """With an unbounded budget the calibration chooses every block off; that plan runs out of memory on the
+    verifying step: it joins the plans that do not fit, a plan predicted below it is chosen, the retried step is
+    not taken as the verification, and the next step applies and verifies the new choice."""
+    calibration, plan, step = _hand_driven_calibration()
+    calibration.run(step)
+    first = calibration.chosen.modes
+    assert first == ("off",) * 4 and tuple(plan.modes) == first
+    calibration.begin_step()
+    calibration.out_of_memory()
+    second = calibration.chosen
+    assert first in calibration.unfit and second.modes != first and not calibration.done
+    assert second.predicted_peak < predict_peak(calibration.costs(), first, calibration.base)
+    plan.set_modes(["recompute"] * 4)  # the retry, one rung up
+    calibration.end_step(step(False))
+    assert calibration.measured is None and not calibration.done  # the retry verifies nothing
+    calibration.begin_step()
+    assert tuple(plan.modes) == second.modes
+    calibration.end_step(step(False))
+    assert calibration.done and calibration.measured is not None
+
+
+class FakeCapacity(LiveBytes):
+    """A device of ``capacity`` bytes, on the CPU: follows every storage an operator creates and raises
+    ``torch.OutOfMemoryError`` from the operator that takes the live bytes above ``capacity`` (``None``: only
+    measure), as the caching allocator does. ``on_oom()`` tells what was running then."""
+
+    def __init__(self, capacity=None, on_oom=None):
+        super().__init__(torch.device("cpu"))
+        self.capacity, self.on_oom, self.ooms = capacity, on_oom, []
+
+    def _add(self, st, key, copy):
+        super()._add(st, key, copy)
+        if self.capacity is not None and self.live + self.copies_live > self.capacity:
+            self.ooms.append(self.on_oom() if self.on_oom is not None else None)
+            raise torch.OutOfMemoryError(f"CPU out of memory (a fake capacity of {self.capacity} bytes)")
+
+
+def _fit_under(tmp_path, capacity, policy, modes=None, steps=3, callbacks=(), on_oom=None):
+    """Train the tiny Transformer (SGD) with every storage made during ``fit`` counted against ``capacity``;
+    ``modes`` fixes the blocks' modes before every step. Returns the callback, the device and its per-step peaks."""
+    from _lightning_models import TinyTransformer, trainer_kwargs
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from lightning_ckpt import ActivationCheckpointing
+
+    cb = ActivationCheckpointing(policy=policy)
+    device = FakeCapacity(capacity, on_oom=on_oom and (lambda: on_oom(cb)))
+    peaks = []
+
+    class Fix(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if modes is not None:
+                cb.plan.set_modes(list(modes))
+            device.reset_peak()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            peaks.append(device.total_peak)
+
+    seed_everything(0)
+    trainer = Trainer(callbacks=[cb, Fix(), *callbacks], **trainer_kwargs(
+        tmp_path, max_steps=steps, log_every_n_steps=1, limit_val_batches=0, num_sanity_val_steps=0))
+    with device:
+        trainer.fit(TinyTransformer(batch_size=16, optimizer="sgd"))
+    return cb, device, peaks
+
+
+@pytest.mark.parametrize("room", ["just above all", "one block off"])
+def test_a_budget_on_a_card_that_only_just_holds_all_completes_its_calibration_and_fits(tmp_path, room):
+    """The device holds every block recomputed ('all') and, in the second case, also one block off (the last, whose
+    backward comes first), never two: the calibration's own stages (half the blocks off) run out of memory. The
+    calibration completes anyway, with the default on_oom='raise' (the calibration retries its own steps): each
+    stage that ran out of memory is recorded as not fitting and never with a figure, every figure recorded is of a
+    step that ran its stage's plan to the end, and the chosen plan trains without one more error."""
+    from lightning.pytorch import Callback
+
+    from lightning_ckpt import ActivationCheckpointing
+
+    off_last = ("recompute",) * 3 + ("off",)
+    _, _, all_peaks = _fit_under(tmp_path / "all", None, "all")
+    _, _, last_peaks = _fit_under(tmp_path / "last", None, "all", modes=off_last)
+    _, _, first_peaks = _fit_under(tmp_path / "first", None, "all", modes=("off",) + ("recompute",) * 3)
+    all_peak, last_peak, first_peak = max(all_peaks), max(last_peaks), max(first_peaks)
+    assert all_peak < last_peak < first_peak
+    capacity = (all_peak + last_peak) // 2 if room == "just above all" else (last_peak + first_peak) // 2
+
+    steps, ooms = [], []
+
+    class Steps(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.ooms = len(ooms)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
+            steps.append((tuple(cb.plan.modes), len(ooms) > self.ooms, cb.last_result.ledger.activations,
+                          cb.calibration.done))
+
+    def running(cb):  # what ran out of memory: the plan, and whether the calibration was over
+        ooms.append((tuple(cb.plan.modes), cb.calibration.done))
+        return ooms[-1]
+
+    cb, device, _ = _fit_under(tmp_path / "budget", capacity, "budget:1GiB", steps=60, callbacks=[Steps()],
+                               on_oom=running)
+    calibration = cb.calibration
+    assert calibration.done and calibration.chosen is not None
+    assert device.ooms and not any(done for _, done in device.ooms)  # errors in the calibration only
+    assert set(calibration.unfit) == {modes for modes, _ in device.ooms}
+    assert calibration.unfit and not set(calibration.unfit) & set(calibration.measured_plans)
+    clean = {(modes, activations) for modes, failed, activations, _ in steps if not failed}
+    assert all((modes, peak) in clean for modes, peak in calibration._calibration_peaks)
+    after = [(modes, failed) for modes, failed, _, done in steps if done]
+    assert len(after) >= 2 and all(modes == calibration.chosen.modes and not failed for modes, failed in after)
+    if room == "one block off":
+        assert off_last in calibration.measured_plans and 3 in calibration._measured_off

@@ -4,10 +4,12 @@ names the phase; under DDP every rank stops within a bounded time; the safety ch
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from _lightning_models import CleanDistributedExit, TinyTransformer, trainer_kwargs
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
@@ -125,6 +127,316 @@ def test_the_top_rung_stops_with_the_diagnosis(tmp_path):
     with pytest.raises(OutOfMemoryDiagnosis, match="forward phase") as err:
         _fit(tmp_path, model, ActivationCheckpointing(policy="all", on_oom="escalate"), steps=2)
     assert "checkpoints more than the current plan 'all'" in str(err.value)
+
+
+# ------------------------------------------------------------------------------ a retried step is the retry's
+
+
+def _oom_while_handling(model, tensor):
+    """Run out of memory while a caught error's frame holds a tensor of this attempt: the frame keeps the error it
+    caught, whose traceback keeps the frame (a reference cycle only ``gc`` breaks), and the error is the
+    out-of-memory error's ``__context__``. ``model.ref`` follows that tensor."""
+    held = tensor * 2
+    model.ref = weakref.ref(held)
+    try:
+        raise ValueError("inner")
+    except ValueError as inner:
+        kept = inner  # noqa: F841 - the cycle
+        raise torch.OutOfMemoryError(OOM)  # noqa: B904 - its implicit __context__ is the point
+
+
+class FailOnce(TinyTransformer):
+    """Runs out of memory once, in batch ``at``: in the forward after every block ran (the head's allocation fails),
+    or in the backward after the head and the blocks accumulated their gradients; with ``chain``, through
+    :func:`_oom_while_handling`. ``probe()`` (set by a test) is called when the retry's forward starts."""
+
+    def __init__(self, at: int = 1, phase: str = "forward", chain: bool = False, **kw):
+        super().__init__(**kw)
+        self.at, self.phase, self.chain = at, phase, chain
+        self.fired, self.ref, self.probe, self.at_retry = False, None, None, None
+
+    def training_step(self, batch, batch_idx):
+        if self.fired and self.at_retry is None and self.probe is not None:
+            self.at_retry = self.probe()
+        if batch_idx != self.at or self.fired:
+            return super().training_step(batch, batch_idx)
+        self.fired = True
+        x, y = batch
+        h = self.embed(x)
+        if self.phase == "backward":
+            h.register_hook(lambda grad: self._fail(grad))
+        for layer in self.layers:
+            h = layer(h)
+        if self.phase == "forward":
+            self._fail(h)
+        return nn.functional.cross_entropy(self.head(h).reshape(-1, 16), y.reshape(-1))
+
+    def _fail(self, tensor):
+        if self.chain:
+            _oom_while_handling(self, tensor)
+        self.ref = weakref.ref(tensor)
+        raise torch.OutOfMemoryError(OOM)
+
+
+class Readings(Callback):
+    """The meter's reading of every optimizer step."""
+
+    def __init__(self, cb):
+        self.cb, self.rows = cb, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append(self.cb.last_result.reading)
+
+
+def _measured_run(tmp_path, model, policy, steps=2, plugins=None, **kwargs):
+    cb = ActivationCheckpointing(policy=policy, **kwargs)
+    if isinstance(model, FailOnce):
+        meter = lambda: cb._engine.monitor.meter  # noqa: E731
+        model.probe = lambda: {"phase": meter()._phase, "alive": model.ref is not None and model.ref() is not None}
+    readings, grads = Readings(cb), GradsAtStep()
+    Trainer(callbacks=[cb, readings, grads], plugins=plugins,
+            **trainer_kwargs(tmp_path, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0,
+                             log_every_n_steps=1)).fit(model)
+    return cb, readings.rows, grads.grads
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_retried_step_reports_the_retry_alone_under_the_new_plans_key(tmp_path, phase):
+    """Step 1 (the first steady-state step: exact, a reference) runs out of memory under 'none' and is retried
+    under 'every:2': its figures are those of a clean 'every:2' run's step 1 — not the peak of the failed attempt,
+    not the failed backward's phase, and stored as the reference of 'every:2', never of 'none'."""
+    seed_everything(0)
+    _, clean, _ = _measured_run(tmp_path / "clean", TinyTransformer(batch_size=16), "every:2")
+    seed_everything(0)
+    model = FailOnce(at=1, phase=phase, batch_size=16)
+    cb, got, _ = _measured_run(tmp_path / "oom", model, "none", on_oom="escalate")
+    assert model.fired and get_plan(model).spec == "every:2"
+    assert model.at_retry["phase"] == "forward"  # the meter's phase when the retry's forward starts
+    retried, expected = got[1], clean[1]
+    assert retried.reference and expected.reference
+    for name in ("activations", "activations_estimate", "activations_exact", "autocast_copies", "replays"):
+        assert getattr(retried, name) == getattr(expected, name), name
+    if phase == "forward":
+        assert retried.phase_peaks == expected.phase_peaks
+    else:  # the failed backward's gradients live through the retry's forward, less than the last step's whole set
+        assert {k: retried.phase_peaks[k] for k in ("backward", "optimizer")} == \
+            {k: expected.phase_peaks[k] for k in ("backward", "optimizer")}
+        assert retried.phase_peaks["forward"] <= expected.phase_peaks["forward"]
+    every2 = get_plan(model).modes
+    # reference keys are (layout, shapes, precision, accumulation, steady state)
+    keys = {(key[0][0], key[-1]) for key in cb._engine.monitor.meter._references}
+    assert keys == {(("off",) * 4, False), (every2, True)}
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_the_failed_attempts_tensors_are_freed_before_gc_and_the_retry(tmp_path, monkeypatch, phase):
+    """The out-of-memory error's ``__context__`` is an error whose frame holds a tensor of the failed attempt in a
+    reference cycle: the chain is released before ``gc.collect()`` runs, so that tensor is already dead then, and
+    at the retry's forward."""
+    import gc
+
+    seed_everything(0)
+    model = FailOnce(at=1, phase=phase, chain=True, batch_size=8)
+    at_gc, collect = [], gc.collect
+
+    def spy(*args):
+        if model.fired and model.at_retry is None and not at_gc:
+            at_gc.append(model.ref() is not None)
+        return collect(*args)
+
+    monkeypatch.setattr(gc, "collect", spy)
+    _measured_run(tmp_path, model, "none", on_oom="escalate")
+    assert at_gc == [False]
+    assert model.at_retry["alive"] is False and get_plan(model).spec == "every:2"
+
+
+class CountingScaler(torch.amp.GradScaler):
+    """A GradScaler that counts its unscale_/step/update calls; ``fail_step``: that call of ``step`` runs out of
+    memory (an error after the closure, in the optimizer step)."""
+
+    def __init__(self, *args, fail_step=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = {"unscale_": 0, "step": 0, "update": 0}
+        self.fail_step = fail_step
+
+    def unscale_(self, optimizer):
+        self.calls["unscale_"] += 1
+        return super().unscale_(optimizer)
+
+    def step(self, optimizer, *args, **kwargs):
+        self.calls["step"] += 1
+        if self.calls["step"] == self.fail_step:
+            raise torch.OutOfMemoryError(OOM)
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, *args, **kwargs):
+        self.calls["update"] += 1
+        return super().update(*args, **kwargs)
+
+
+def _sixteen_mixed(scaler):
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_retried_16_mixed_step_unscales_and_steps_once(tmp_path, phase):
+    """``16-mixed`` (a GradScaler, the pre-Ampere path), driven on the CPU through Lightning's MixedPrecision plugin:
+    the retry is inside the closure the plugin calls once, so each optimizer step unscales, steps and updates once,
+    and the gradients the optimizer sees equal a run without the error."""
+    seed_everything(0)
+    clean_scaler = CountingScaler("cpu")
+    _, _, expected = _measured_run(tmp_path / "clean", TinyTransformer(batch_size=8), "none", steps=3,
+                                   plugins=_sixteen_mixed(clean_scaler))
+    seed_everything(0)
+    scaler = CountingScaler("cpu")
+    model = FailOnce(at=1, phase=phase, batch_size=8)
+    _, _, got = _measured_run(tmp_path / "oom", model, "none", steps=3, plugins=_sixteen_mixed(scaler),
+                              on_oom="escalate")
+    assert model.fired and get_plan(model).spec == "every:2"
+    assert scaler.calls == clean_scaler.calls == {"unscale_": 3, "step": 3, "update": 3}
+    assert len(got) == len(expected) == 3
+    for step in range(3):
+        assert got[step].keys() == expected[step].keys()
+        for name, grad in expected[step].items():
+            torch.testing.assert_close(got[step][name], grad, rtol=1e-4, atol=1e-6, msg=f"step {step} {name}")
+
+
+def test_an_optimizer_step_error_under_16_mixed_is_diagnosed_never_retried(tmp_path):
+    """An error after the closure (here the scaler's optimizer step) is not retried: retrying there would run the
+    closure and unscale a second time, which GradScaler refuses (shown with a guard that retries the whole
+    ``strategy.optimizer_step``: the check can fail)."""
+    from lightning_ckpt.lightning.recovery import StepGuard
+
+    scaler = CountingScaler("cpu", fail_step=2)
+    with pytest.raises(OutOfMemoryDiagnosis, match="optimizer"):
+        _measured_run(tmp_path / "guard", TinyTransformer(batch_size=8), "none", steps=3,
+                      plugins=_sixteen_mixed(scaler), on_oom="escalate")
+    assert scaler.calls == {"unscale_": 2, "step": 2, "update": 1}
+
+    def retry_everything(self, original, optimizer, closure, *args, **kwargs):
+        try:
+            return original(optimizer, closure, *args, **kwargs)
+        except torch.OutOfMemoryError:
+            return original(optimizer, closure, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StepGuard, "guarded_step", retry_everything)
+        with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called"):
+            _measured_run(tmp_path / "naive", TinyTransformer(batch_size=8), "none", steps=3,
+                          plugins=_sixteen_mixed(CountingScaler("cpu", fail_step=2)), on_oom="escalate")
+
+
+# ------------------------------------------------------------------------------------------ a real OOM, on CUDA
+
+
+class _WideBlock(nn.Module):
+    """``x + fc2(gelu(fc1(x)))`` with a 4× wider interior: it keeps about 9× its input for backward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+class _Wide(LightningModule):
+    """An activation-bound model: 8 wide blocks on one fixed batch of ``tokens`` rows (SGD, float32).
+    ``hook_bytes``: the backward's first step allocates that much once more (a real allocation, so a real
+    out-of-memory error in the backward when the activations still held leave no room for it)."""
+
+    def __init__(self, width: int = 1024, depth: int = 8, tokens: int = 8192, hook_bytes: int = 0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_WideBlock(width) for _ in range(depth))
+        self.width, self.tokens, self.hook_bytes = width, tokens, hook_bytes
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for block in self.blocks:
+            x = block(x)
+        if self.hook_bytes:
+            x.register_hook(self._allocate)
+        return nn.functional.mse_loss(x, y)
+
+    def _allocate(self, grad):
+        room = torch.empty(self.hook_bytes, dtype=torch.uint8, device=grad.device)
+        del room
+        return grad
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        from _lightning_models import SameBatch
+        from torch.utils.data import DataLoader
+
+        g = torch.Generator().manual_seed(0)
+        batch = (torch.randn(self.tokens, self.width, generator=g), torch.randn(self.tokens, self.width, generator=g))
+        return DataLoader(SameBatch(batch, n=4), batch_size=None)
+
+
+def _wide_fit(tmp_path, policy, hook_bytes=0, steps=2, **kwargs):
+    """One run on CUDA: the readings, the gradients at each optimizer step, the plan it ended with, and the
+    allocated bytes before the run and after it (the model moved back to the CPU)."""
+    import gc
+
+    torch.manual_seed(0)
+    model = _Wide(hook_bytes=hook_bytes)
+    cb = ActivationCheckpointing(policy=policy, blocks=_WideBlock, **kwargs)
+    readings, grads = Readings(cb), GradsAtStep()
+    trainer = Trainer(callbacks=[cb, readings, grads],
+                      **trainer_kwargs(tmp_path, accelerator="cuda", max_steps=steps, limit_val_batches=0,
+                                       num_sanity_val_steps=0, log_every_n_steps=1))
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    trainer.fit(model)
+    spec = get_plan(model).spec
+    on_host = [{k: v.cpu() for k, v in g.items()} for g in grads.grads]
+    model.cpu()
+    del trainer, model, grads
+    gc.collect()
+    return readings.rows, on_host, spec, before, torch.cuda.memory_allocated()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_real_cuda_out_of_memory_is_retried_and_leaves_nothing_behind(tmp_path, phase):
+    """``torch.cuda.set_per_process_memory_fraction`` so that 'none' does not fit and 'all' does: the first step
+    runs out of memory for real (in the forward: the activations; in the backward: one more allocation while the
+    forward's activations are held), is retried one rung up (or more), and trains on. The gradients equal a clean
+    run under the plan it ended with, the allocated memory is back where it was before the run (the failed
+    attempt's tensors are gone: its chain released, no graph kept by the meter's hooks), and the retried step's
+    reported peak is its own, below the capacity."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    probe_none, *_ = _wide_fit(tmp_path / "probe_none", "none", steps=1)
+    probe_all, *_ = _wide_fit(tmp_path / "probe_all", "all", steps=1)
+    none_forward = probe_none[0].phase_peaks["forward"]
+    all_peak = probe_all[0].peak_allocated
+    hook_bytes = 0
+    if phase == "forward":  # 'none' cannot hold its forward; 'all' holds its whole step, with room for the cache
+        capacity = (all_peak + none_forward) // 2
+    else:  # 'none' holds its forward but not one more allocation at the start of its backward; 'all' holds both
+        capacity = none_forward + (none_forward - all_peak) // 4
+        hook_bytes = capacity - probe_all[0].phase_peaks["forward"] - (none_forward - all_peak) // 4
+    assert all_peak < capacity and capacity < none_forward + hook_bytes
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(capacity / total, device)
+    try:
+        rows, got, spec, before, after = _wide_fit(tmp_path / "oom", "none", hook_bytes=hook_bytes,
+                                                   on_oom="escalate")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert spec != "none"
+    assert after == before  # nothing of the failed attempt (or of the run) left on the device
+    assert rows[0].peak_allocated < capacity and rows[1].peak_allocated < capacity
+    clean_rows, expected, clean_spec, *_ = _wide_fit(tmp_path / "clean", spec, hook_bytes=hook_bytes)
+    assert clean_spec == spec and len(got) == len(expected) == 2
+    for step in range(2):
+        for name, grad in expected[step].items():
+            torch.testing.assert_close(got[step][name], grad, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
 
 
 def test_changing_plans_refuse_dropout_without_rng_replay_before_the_first_step(tmp_path):
