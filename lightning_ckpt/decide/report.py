@@ -122,6 +122,8 @@ def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: O
     quadratic = (history or {}).get("activations_vs_seq_len")
     if quadratic:
         advice.append(quadratic)
+    if ledger.allocator_note is not None:  # CUDA graphs: the allocator's lines were left out of the ledger
+        advice.append(f"Allocator lines not comparable, left out: {ledger.allocator_note}.")
     return {
         "lines": {name: {"bytes": int(v), "gib": v / GiB, "share_of_capacity": (v / cap) if cap else None}
                   for name, v in lines.items()},
@@ -129,6 +131,7 @@ def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: O
         "master": ledger.master,
         "peak_allocated": ledger.peak_allocated,
         "peak_reserved": ledger.peak_reserved,
+        "allocator_comparable": ledger.allocator_comparable,
         "capacity": cap,
         "dominant": dominant,
         "phases": {name: {"bytes": int(v), "gib": v / GiB, "share_of_capacity": (v / cap) if cap else None,

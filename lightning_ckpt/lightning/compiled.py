@@ -13,11 +13,22 @@ budget choose the compiler's budget per block (``compiler:<f>``). ``compile_bloc
 the whole-model compile's backend and options are reused, and its wrapper stays in place (so ``state_dict()`` keys
 do not change) but calls the model uncompiled; the modules outside the blocks (embedding, head, loss) then run
 eagerly.
+
+CUDA graphs (:func:`cuda_graphs_in_use`): ``torch.compile(mode="reduce-overhead")`` (or ``"max-autotune"``,
+``options={"triton.cudagraphs": True}``, ``backend="cudagraphs"``, inductor's global
+``torch._inductor.config.triton.cudagraphs``) replays the compiled graphs with their tensors in private memory
+pools that persist across steps, so the allocator's peaks count those pools and not the step's memory. The engine
+then warns once (:data:`CUDA_GRAPHS_WARNING`) and the ledger leaves the allocator's lines out
+(:mod:`lightning_ckpt.measure.ledger`). Found by reading the compile's backend and its options where each compile
+is held: ``torch.compile`` wrappers in the module tree, ``block.compile()`` (the compiled call's context), and
+Lightning's record of ``trainer.fit(torch.compile(model))``; a ``torch.compile``d function the model calls is not
+seen.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,7 +38,14 @@ from lightning_ckpt.lightning import conflicts
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
-__all__ = ["blocks_in_one_compiled_graph", "compile_blocks_one_by_one", "compiled_block_caller"]
+__all__ = ["CUDA_GRAPHS_WARNING", "blocks_in_one_compiled_graph", "compile_blocks_one_by_one",
+           "compiled_block_caller", "cuda_graphs_in_use", "warn_cuda_graphs_once"]
+
+CUDA_GRAPHS_WARNING = (
+    "lightning_ckpt: to measure peak allocated/reserved memory, compile without CUDA graphs (mode='default' or "
+    "'max-autotune-no-cudagraphs', or options={{'triton.cudagraphs': False}}): {note}, whose private memory pools "
+    "hold the step's tensors across steps, so the allocator's lines (peaks, other, cache, per-phase peaks) are not "
+    "this step's memory and are not logged; the report says so.")
 
 # set on a whole-model wrapper whose graph compile_blocks_one_by_one replaced by per-block graphs
 _UNROLLED = "_lightning_ckpt_blocks_compiled"
@@ -122,3 +140,83 @@ def compile_blocks_one_by_one(pl_module: "pl.LightningModule", blocks: Sequence[
         how = "with the whole model's backend and options" if ctx is not None else "with torch.compile's defaults"
         done.append(f"{len(fresh)} of {len(blocks)} blocks compiled one by one {how}")
     return done
+
+
+# ------------------------------------------------------------------------------------------------- CUDA graphs
+
+
+def _contexts(pl_module: nn.Module) -> Iterator[tuple]:
+    """``(where, dynamo context)`` of every compile held by the model (see the module docstring)."""
+    ctx = (getattr(pl_module, "_compiler_ctx", None) or {}).get("dynamo_ctx")
+    if ctx is not None:  # trainer.fit(torch.compile(model))
+        yield type(pl_module).__name__, ctx
+    context_type = getattr(torch._dynamo.eval_frame, "_TorchDynamoContext", None)
+    for name, module in pl_module.named_modules():
+        where = repr(name) if name else type(pl_module).__name__
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            yield where, module.dynamo_ctx
+        compiled = module.__dict__.get("_compiled_call_impl")
+        if compiled is not None and context_type is not None:  # module.compile(): the context is in its closure
+            for cell in getattr(compiled, "__closure__", None) or ():
+                try:
+                    held = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if isinstance(held, context_type):
+                    yield where, held
+
+
+def _innermost_backend(ctx: Any) -> Any:
+    """The backend a dynamo context compiles with, under dynamo's wrappers (``torch.compile``'s backend object)."""
+    fn = getattr(ctx, "callback", None)
+    for _ in range(16):  # the wrapper chain is a few links long; never loop on a cycle
+        inner = getattr(fn, "_torchdynamo_orig_backend", None)
+        if inner is None:
+            break
+        fn = inner
+    return fn
+
+
+def _global_inductor_cudagraphs() -> bool:
+    config = sys.modules.get("torch._inductor.config")  # not imported: nobody set it
+    return bool(getattr(getattr(config, "triton", None), "cudagraphs", False))
+
+
+def _how_cuda_graphs(backend: Any) -> Optional[str]:
+    if getattr(backend, "compiler_name", None) == "cudagraphs":
+        return "backend='cudagraphs'"
+    inductor = type(backend).__name__ == "_TorchCompileInductorWrapper" or \
+        getattr(backend, "compiler_name", None) == "inductor" or getattr(backend, "__name__", None) == "compile_fx"
+    if not inductor:
+        return None
+    options = getattr(backend, "config", None) or {}
+    if "triton.cudagraphs" in options:  # the compile's mode or options override inductor's global config
+        return "options {'triton.cudagraphs': True} (mode='reduce-overhead' or 'max-autotune')" \
+            if options["triton.cudagraphs"] else None
+    return "torch._inductor.config.triton.cudagraphs = True" if _global_inductor_cudagraphs() else None
+
+
+def cuda_graphs_in_use(pl_module: nn.Module) -> Optional[str]:
+    """Where and how the model's compiled code runs CUDA graphs (for :data:`CUDA_GRAPHS_WARNING` and the ledger's
+    note), or ``None`` when it does not; reads the compiles' settings only (nothing is compiled or run)."""
+    found = []
+    for where, ctx in _contexts(pl_module):
+        how = _how_cuda_graphs(_innermost_backend(ctx))
+        if how is not None and (where, how) not in found:
+            found.append((where, how))
+    if not found:
+        return None
+    return "; ".join(f"{where} is compiled with CUDA graphs ({how})" for where, how in found)
+
+
+_WARNED: set = set()
+
+
+def warn_cuda_graphs_once(note: str) -> None:
+    """:data:`CUDA_GRAPHS_WARNING` for ``note``, once per process (a second ``fit`` of the same model is quiet)."""
+    if note in _WARNED:
+        return
+    _WARNED.add(note)
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    rank_zero_warn(CUDA_GRAPHS_WARNING.format(note=note), category=RuntimeWarning)

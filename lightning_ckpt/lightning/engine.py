@@ -22,13 +22,15 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Union
 import torch
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt.core.policy import MODES, Policy, compiler_modes, parse_policy
+from lightning_ckpt.core.offload import release_host_memory
+from lightning_ckpt.core.policy import MODES, Policy, compiler_budget_unavailable, compiler_modes, parse_policy
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.units import GiB
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
 from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration
 from lightning_ckpt.decide.controller import Controller, resolve_threshold
 from lightning_ckpt.decide.diagnosis import PhaseTracker
+from lightning_ckpt.decide.escalation import host_room, offload_refusal
 from lightning_ckpt.decide.report import ledger_report, length_reading, report_text
 from lightning_ckpt.decide.safety import preflight
 from lightning_ckpt.decide.verify import verify_equivalence
@@ -37,6 +39,8 @@ from lightning_ckpt.lightning.compiled import (
     blocks_in_one_compiled_graph,
     compile_blocks_one_by_one,
     compiled_block_caller,
+    cuda_graphs_in_use,
+    warn_cuda_graphs_once,
 )
 from lightning_ckpt.lightning.metrics import block_metrics, log_metrics, reduce_across_ranks, tensorboard_layout
 from lightning_ckpt.lightning.recovery import StepGuard
@@ -173,8 +177,11 @@ class CheckpointingEngine:
         s = self.settings
         self.guard.configure(trainer)
         device = trainer.strategy.root_device
+        graphs = cuda_graphs_in_use(pl_module) if device.type == "cuda" else None  # the allocator's lines: see there
+        if graphs is not None:
+            warn_cuda_graphs_once(graphs)
         self.monitor = StepMonitor(device, tokens_fn=s.tokens_fn, capacity=self.capacity,
-                                   exact_every_n_steps=s.exact_every_n_steps)
+                                   exact_every_n_steps=s.exact_every_n_steps, allocator_note=graphs)
         self.monitor.watch(pl_module)
         self._release_handles()
         self._handles.append(register_replay_hook(self.guard.note_replay))
@@ -189,7 +196,9 @@ class CheckpointingEngine:
             caller = compiled_block_caller(pl_module, self.plan.blocks)
             one_graph = blocks_in_one_compiled_graph(pl_module, self.plan.blocks)
             # the compiler's budget is one per graph: a block's own only when it is compiled as its own graph
-            fractions = COMPILER_FRACTIONS if caller is not None and not one_graph else ()
+            # (and only with a torch that has it: the fractions are not offered on older releases)
+            fractions = COMPILER_FRACTIONS if caller is not None and not one_graph and compiler_budget_unavailable() \
+                is None else ()
             self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
                                                  modes=modes, block_caller=caller, compiler_fractions=fractions)
             if one_graph:
@@ -237,7 +246,15 @@ class CheckpointingEngine:
 
     # ------------------------------------------------------------------------------------------ plan changes
     def change_plan(self, policy: Union[str, Policy], level: Optional[int] = None) -> None:
-        """Switch the plan between optimizer steps; the one way a running plan changes (see the module doc)."""
+        """Switch the plan between optimizer steps; the one way a running plan changes (see the module doc).
+
+        A plan that would offload more than the node's host memory can hold (measured in an earlier offloaded step)
+        is refused with a warning naming both figures, and the plan stays as it is (an escalation then moves on to
+        the next rung, or stops with the diagnosis)."""
+        refusal = offload_refusal(parse_policy(policy).layout(self.plan.num_blocks), host_room(self.plan))
+        if refusal is not None:
+            warnings.warn(f"lightning_ckpt: {refusal}", RuntimeWarning, stacklevel=2)
+            return
         self.plan.retarget(policy)
         if level is not None and self.controller is not None:
             self.controller.level = level
@@ -306,6 +323,19 @@ class CheckpointingEngine:
         if self.monitor is not None:
             self.monitor.phase("optimizer")
 
+    def restart_step(self) -> None:
+        """The guard retries the open step under a new plan (:mod:`lightning_ckpt.lightning.recovery`): its
+        measurement starts over, keyed by the plan it now runs (the layout part of :meth:`_step_key`; the batch, the
+        precision, the accumulation and the optimizer state are the step's own still)."""
+        if self.monitor is None or not self.monitor.in_step or self.plan is None:
+            return
+        plan, key = self.plan, self.monitor.meter.key
+        if key is not None:
+            key = ((plan.modes, plan.layout.groups, plan.layout.save_ops), *key[1:])
+        module = self.module
+        state = state_tensors(module, module.trainer.optimizers) if module is not None else ()
+        self.monitor.restart_step(key=key, state=state, hidden_recompute=bool(compiler_modes(plan.modes)))
+
     def batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """After the last micro-batch of an optimizer step: read, reduce, log and decide."""
         if trainer.fit_loop._should_accumulate() or self.monitor is None or not self.monitor.in_step:
@@ -331,7 +361,7 @@ class CheckpointingEngine:
             metrics.update(block_metrics(self.calibration.chosen, self.settings.prefix))
         self.last_metrics = metrics
         if self._logging:
-            log_metrics(pl_module, metrics, self.settings.prefix)
+            log_metrics(trainer, metrics, self.settings.prefix)
         if self._deciding:
             self._decide(trainer, metrics)
         if self.calibration is not None and not self.calibration.done and result.ledger.activations is not None:
@@ -375,16 +405,23 @@ class CheckpointingEngine:
             self.monitor.resume()
 
     def _verify(self, pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        """``verify=True``: every checkpointed block of the plan against itself plain, on the first batch, inside the
+        precision plugin's training-step context (its autocast), block by block within the checkpointed step's
+        memory (:mod:`lightning_ckpt.decide.verify`)."""
         self._verified = True
         if self.plan is None or not self.plan.num_checkpointed:
             return
-
-        def loss_fn() -> torch.Tensor:
-            out = pl_module.training_step(batch, batch_idx)
-            return out["loss"] if isinstance(out, dict) else out
-
-        report = verify_equivalence(pl_module, self.plan, loss_fn)
-        self.info("verify: checkpointed and plain step agree\n" + report.table())
+        sharded = next((name for name, m in pl_module.named_modules() if conflicts.is_fsdp_module(m)), None)
+        if sharded is not None:
+            raise ValueError(
+                f"{self.owner}(verify=True): verify the plan without FSDP (the same policy on one device), then drop "
+                f"verify=True here; {sharded or type(pl_module).__name__!r} is sharded by FSDP, and verify runs each "
+                "checkpointed block alone, outside the root's forward, where FSDP cannot gather its parameters.")
+        trainer = pl_module.trainer
+        report = verify_equivalence(
+            pl_module, self.plan, lambda: pl_module.training_step(batch, batch_idx),
+            context=trainer.strategy.precision_plugin.train_step_context, precision=str(trainer.precision))
+        self.info("verify: every checkpointed block agrees with its plain run\n" + report.table())
 
     # ------------------------------------------------------------------------------------------ the end
     def fit_end(self, trainer: "pl.Trainer") -> None:
@@ -421,6 +458,8 @@ class CheckpointingEngine:
         shims.remove_before_strategy_setup(trainer.strategy)
         shims.remove_optimizer_step_guard(trainer.strategy)
         self._release_handles()
+        if self.plan is not None:  # pinned host memory of offloaded blocks goes back when the run ends
+            release_host_memory(self.plan)
         if self.calibration is not None:  # a run that ends while calibrating leaves no hook behind
             self.calibration.close()
         if self.monitor is not None:

@@ -3,8 +3,18 @@
 Reduction: every rank measures its own step; the logged memory lines are the **maximum** over ranks (the rank
 closest to running out is the one that matters) and the throughput lines the **sum** (the job's tokens/s). Both
 come from one ``all_gather`` of a small float64 vector on measured steps only (the metric names are the same on
-every rank, so the vector lines up). ``torchmetrics``' ``MaxMetric``/``SumMetric`` would do the same with one
-collective per metric, so they are not used.
+every rank, so the vector lines up): built on the host (in pinned memory on CUDA), moved with one non-blocking
+copy, gathered, and copied back once, where the max and the sum are taken. ``torchmetrics``' ``MaxMetric`` /
+``SumMetric`` would do the same with one collective per metric, so they are not used.
+
+Logging: the figures are host floats, so they go straight to ``trainer.loggers`` on rank zero, at the step
+Lightning's own ``self.log`` would use in ``on_train_batch_end`` (the same x-axis as ``train_loss``). ``self.log``
+would make a device tensor per value (a host-to-device copy each on CUDA, and an ``.item()`` each when written) and
+costs about 0.35 ms of host time per key. ``trainer.callback_metrics`` and ``trainer.logged_metrics`` get the same
+figures as host tensors (as ``self.log`` left them, for ``ModelCheckpoint(monitor=...)`` or ``EarlyStopping``), and
+the progress bar its two figures as floats. Those three dicts are Lightning's own, updated in place (its
+``_logger_connector``'s; reading them through ``trainer.progress_bar_metrics`` would convert every metric logged
+this step, a device read each).
 """
 
 from __future__ import annotations
@@ -59,22 +69,50 @@ def is_throughput(key: str) -> bool:
 
 
 def reduce_across_ranks(strategy: Any, metrics: Dict[str, float]) -> Dict[str, float]:
-    """Max over ranks for memory (and everything else), sum for throughput: one collective."""
+    """Max over ranks for memory (and everything else), sum for throughput: one collective, one copy each way.
+
+    The vector is made on the host, pinned when the device is CUDA, and moved with a non-blocking copy (a pageable
+    one would wait for the device first); the gathered figures come back in one device-to-host copy, the one wait
+    of the reduction, after the collective.
+    """
     if getattr(strategy, "world_size", 1) <= 1:
         return metrics
     keys = sorted(metrics)
-    local = torch.tensor([metrics[k] for k in keys], device=strategy.root_device, dtype=torch.float64)
-    gathered = strategy.all_gather(local).reshape(-1, len(keys))
-    summed, maxed = gathered.sum(0).tolist(), gathered.max(0).values.tolist()
-    return {k: (summed[i] if is_throughput(k) else maxed[i]) for i, k in enumerate(keys)}
+    device = torch.device(strategy.root_device)
+    host = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, pin_memory=device.type == "cuda")
+    local = host.to(device, non_blocking=True)  # the CPU (gloo): the same tensor
+    rows = strategy.all_gather(local).to("cpu").reshape(-1, len(keys)).tolist()
+    return {k: (sum(row[i] for row in rows) if is_throughput(k) else max(row[i] for row in rows))
+            for i, k in enumerate(keys)}
 
 
-def log_metrics(pl_module: Any, metrics: Dict[str, float], prefix: str) -> None:
-    """Log already-reduced figures (Lightning writes on rank zero only) and show two on the progress bar."""
+def _log_step(trainer: Any) -> int:
+    """The step ``self.log`` in ``on_train_batch_end`` is written at: the optimizer steps before this one."""
+    stepped = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", None)
+    return int(stepped) if stepped is not None else max(int(trainer.global_step) - 1, 0)
+
+
+def _lightning_dict(trainer: Any, name: str) -> Dict[str, Any]:
+    """One of the logger connector's own metric dicts (``callback``, ``logged``, ``progress_bar``), in place."""
+    found = getattr(getattr(trainer, "_logger_connector", None), f"_{name}_metrics", None)
+    return found if isinstance(found, dict) else {}
+
+
+def log_metrics(trainer: Any, metrics: Dict[str, float], prefix: str) -> None:
+    """Write already-reduced figures (see the module docstring): the loggers on rank zero, Lightning's
+    ``callback_metrics`` / ``logged_metrics`` as host tensors, and two figures on the progress bar."""
     root = f"{prefix}/" if prefix else ""
-    pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=True, prog_bar=False)
-    bar = {"tok/s": metrics[f"{root}throughput/tokens_per_sec"]}
-    act = metrics.get(f"{root}memory/activations_gib")
-    if act is not None:
-        bar["act_GiB"] = act
-    pl_module.log_dict(bar, on_step=True, on_epoch=False, logger=False, prog_bar=True)
+    values = {k: float(v) for k, v in metrics.items()}
+    if trainer.is_global_zero and trainer.loggers:
+        step = _log_step(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=step)
+    as_tensors = {k: torch.tensor(v) for k, v in values.items()}  # host tensors: no device copy
+    _lightning_dict(trainer, "callback").update(as_tensors)
+    _lightning_dict(trainer, "logged").update(as_tensors)
+    bar = {}
+    if f"{root}throughput/tokens_per_sec" in values:
+        bar["tok/s"] = values[f"{root}throughput/tokens_per_sec"]
+    if f"{root}memory/activations_gib" in values:
+        bar["act_GiB"] = values[f"{root}memory/activations_gib"]
+    _lightning_dict(trainer, "progress_bar").update(bar)

@@ -26,6 +26,14 @@ checkpointing cannot remove), ``peak_allocated``/``peak_reserved`` (CUDA only), 
 
 On the CPU these two are ``None``: there is no allocator to read, and no figure is invented.
 
+**Allocator lines not comparable.** Under CUDA graphs (``torch.compile(mode="reduce-overhead")``, ``"max-autotune"``,
+``backend="cudagraphs"``) a step's tensors live in the graphs' private memory pools, allocated once and reused:
+the allocator's peaks then count those pools, not the step, and do not move with the plan. A ledger built with an
+``allocator_note`` (why) leaves every allocator-derived line out — ``peak_allocated``, ``peak_reserved``,
+``other``, ``cache`` and the per-phase peaks are ``None``, so they are neither logged nor reported as if
+comparable — and keeps the note (:attr:`Ledger.allocator_note`) for the report; the model-state lines and the
+activation line (measured on eager reference steps) stay.
+
 Example:
     >>> ledger = build_ledger(model, [optimizer], meter.stop_step(), capacity=device_capacity(device))
     >>> trainer.logger.log_metrics(ledger.as_metrics())
@@ -248,6 +256,8 @@ class Ledger:
         capacity: total device memory, when known.
         phase_peaks: peak bytes of the step's ``forward``, ``backward`` and ``optimizer`` phases (the whole
             memory: model state included), when measured.
+        allocator_note: why the allocator-derived lines are left out (``None``: they are comparable); see the
+            module docstring.
     """
 
     params: int
@@ -263,6 +273,12 @@ class Ledger:
     cache: Optional[int] = None
     capacity: Optional[int] = None
     phase_peaks: Optional[Dict[str, int]] = None
+    allocator_note: Optional[str] = None
+
+    @property
+    def allocator_comparable(self) -> bool:
+        """Whether the allocator's lines mean this step's memory (not under CUDA graphs)."""
+        return self.allocator_note is None
 
     def with_activations(self, activations: int) -> "Ledger":
         """This ledger with another activation figure (``other`` follows: the allocator's peak is unchanged)."""
@@ -388,6 +404,7 @@ def build_ledger(
     reading: Optional[StepReading],
     capacity: Optional[int] = None,
     device: Union[torch.device, str, None] = None,
+    allocator_note: Optional[str] = None,
 ) -> Ledger:
     """Combine the model state (walked now) with a step's reading into a :class:`Ledger`.
 
@@ -398,12 +415,16 @@ def build_ledger(
         reading: the step's :class:`~lightning_ckpt.measure.meter.StepReading`, or ``None`` (model state only).
         capacity: total device memory in bytes (:func:`~lightning_ckpt.measure.meter.device_capacity`), if known.
         device: restrict the model-state walk to this device; ``None`` counts every device.
+        allocator_note: why the allocator's lines are not comparable (CUDA graphs): they are left out (see the
+            module docstring); ``None`` keeps them.
     """
     state = model_state_bytes(model, optimizers, device=device)
     activations = reading.activations if reading is not None else None
     copies = reading.autocast_copies if reading is not None else None
-    peak_allocated = reading.peak_allocated if reading is not None else None
-    peak_reserved = reading.peak_reserved if reading is not None else None
+    comparable = reading is not None and allocator_note is None
+    peak_allocated = reading.peak_allocated if comparable else None
+    peak_reserved = reading.peak_reserved if comparable else None
+    phase_peaks = reading.phase_peaks if comparable else None
     other = cache = None
     if peak_allocated is not None and activations is not None:
         other = max(0, peak_allocated - state.params - state.grads - state.optimizer - activations - (copies or 0))
@@ -422,5 +443,6 @@ def build_ledger(
         other=other,
         cache=cache,
         capacity=capacity,
-        phase_peaks=reading.phase_peaks if reading is not None else None,
+        phase_peaks=phase_peaks,
+        allocator_note=allocator_note,
     )

@@ -17,7 +17,9 @@ bytes held for backward*, i.e.
 - every tensor autograd saves for backward (seen through an outer ``saved_tensors_hooks``), counted once per
   storage while that storage is alive, parameters and the watched model's buffers excluded;
 - plus, while a checkpointed region is replayed in backward, the replay's own live bytes (the recomputed
-  interior of the block, which outer hooks cannot see). Each replay is reported by
+  interior of the block, which outer hooks cannot see), counted while grad mode is on, as in exact mode: what the
+  block allocates under ``no_grad`` (FSDP2's all-gathered parameters, caches) is not an activation. Each replay
+  is reported by
   :func:`lightning_ckpt.core.wrap.register_replay_hook`; its interior is measured once per (region, mode, input
   shapes, autocast) with a live-tensor tracker scoped to that replay (the *calibration*, on the first step that
   sees the region and whenever its input shapes change) and then reused, so later steps add a table lookup per
@@ -85,7 +87,7 @@ from torch import nn
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.measure.tracker import LiveBytes, SavedBytes, exit_mode, exit_saved_hooks, storage_key, storages
 
-__all__ = ["StepMeter", "StepReading", "cuda_peaks", "device_capacity"]
+__all__ = ["CudaMemoryQueries", "StepMeter", "StepReading", "cuda_peaks", "device_capacity"]
 
 
 # ------------------------------------------------------------------------------------------------- readings
@@ -173,12 +175,50 @@ def cuda_peaks(device: Union[torch.device, int]) -> Tuple[int, int]:
         return torch.cuda.max_memory_allocated(index), torch.cuda.max_memory_reserved(index)
 
 
-def device_capacity(device: Union[torch.device, str, int, None]) -> Optional[int]:
-    """Total memory of an accelerator in bytes (cached device properties, no sync); ``None`` on the CPU."""
+class CudaMemoryQueries:
+    """The CUDA memory queries :func:`device_capacity` makes, by device index (a test passes its own figures)."""
+
+    def mem_get_info(self, index: int) -> Tuple[int, int]:
+        """``(free, total)`` bytes of the device, every process included (``cudaMemGetInfo``)."""
+        return torch.cuda.mem_get_info(index)
+
+    def memory_reserved(self, index: int) -> int:
+        """Bytes this process's caching allocator holds (in use or cached): usable by this run, not free."""
+        return torch.cuda.memory_reserved(index)
+
+    def memory_fraction(self, index: int) -> Optional[float]:
+        """The allocator's limit as a fraction of the total (``set_per_process_memory_fraction``), ``None`` when this
+        torch has no getter (the limit is then not known; free + reserved still bounds the capacity)."""
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        return float(getter(index)) if getter is not None else None
+
+
+def device_capacity(device: Union[torch.device, str, int, None],
+                    queries: Optional[CudaMemoryQueries] = None) -> Optional[int]:
+    """Bytes of device memory this run can really use; ``None`` on the CPU.
+
+    The smaller of the allocator's limit, ``total × torch.cuda.get_per_process_memory_fraction()`` (the allocator
+    raises out-of-memory beyond it), and ``free + this process's reserved`` (``torch.cuda.mem_get_info``,
+    ``torch.cuda.memory_reserved``): memory outside the allocator — the CUDA context, NCCL's buffers, other
+    processes — is neither free nor ours. Read when called (once per run, when the plan is applied): what is
+    allocated outside the allocator later (NCCL's communicators at the first collective) is not taken off. A host
+    query, no stream sync.
+
+    Args:
+        device: the device; anything else than CUDA gives ``None``.
+        queries: the CUDA queries to make (default :class:`CudaMemoryQueries`, the real ones; with others the
+            device need not exist).
+    """
     device = _normalize_device(device)
-    if not _has_allocator_counters(device):
+    if device.type != "cuda" or (queries is None and not _has_allocator_counters(device)):
         return None
-    return int(torch.cuda.get_device_properties(device).total_memory)
+    queries = queries if queries is not None else CudaMemoryQueries()
+    index = device.index if device.index is not None else 0
+    free, total = queries.mem_get_info(index)
+    # the allocator's limit is the fraction of the total cudaMemGetInfo gives (CUDACachingAllocator setMemoryFraction)
+    fraction = queries.memory_fraction(index)
+    limit = int(fraction * total) if fraction is not None else int(total)
+    return min(limit, int(free) + int(queries.memory_reserved(index)))
 
 
 # ---------------------------------------------------------------------------------------------------- meter
@@ -283,6 +323,11 @@ class StepMeter:
     @property
     def is_open(self) -> bool:
         return self._open
+
+    @property
+    def key(self) -> Any:
+        """The open (or last) step's reference key, as passed to :meth:`start_step` or :meth:`restart_step`."""
+        return self._key
 
     def live_bytes(self) -> Optional[int]:
         """Bytes of every storage the step's forward created that is alive now, autocast's copies of parameters
@@ -432,6 +477,65 @@ class StepMeter:
             raise
         box.reading = self.stop_step()
 
+    def restart_step(self, key: Any = None, state: Iterable[torch.Tensor] = (),
+                     hidden_recompute: Optional[bool] = None) -> None:
+        """Start the open step over: the step is retried after an error inside it (out of memory, retried under a
+        stronger plan), and every figure it reports must be the retry's.
+
+        Call it once the failed attempt's memory is released (its tensors freed): the allocator's peak counters are
+        reset here (no sync). Nothing the failed attempt counted is kept: the phase peaks, the phase (the retry's
+        forward is ``"forward"`` again, whatever phase the error came in), the replay count, the saved-tensor
+        tracking (a fresh tracker) and the exact step's live-tensor count (a fresh one; the CPU phase tracker keeps
+        the step's state and restarts its peak from what is alive now). The measured replay interiors are dropped
+        and measured again: a replay the error cut short stored the part it had reached. The step is stored, at
+        :meth:`stop_step`, as the reference of ``key`` (the plan it is retried under) when that key has none yet —
+        it is then measured exactly from here on — and never under the key it was started with. With gradient
+        accumulation only the retried micro-batch is measured: the earlier ones ran under the old plan. The step's
+        ``wall_s`` still runs from :meth:`start_step` (the failed attempt took that time too).
+
+        Args:
+            key: the retried step's reference key (``None``: no reference step, as in :meth:`start_step`).
+            state: the model state's tensors, for the CPU phase peaks when the retry becomes exact here.
+            hidden_recompute: as in :meth:`start_step` for the new plan (``None``: unchanged).
+        """
+        if not self._open:
+            return
+        activations = self._saved is not None
+        exact = self._live is not None or (activations and key is not None and key not in self._references)
+        # the trackers are popped in the reverse order of start_step's pushes; the phase tracker (below) stays
+        if self._live is not None:
+            live, self._live = self._live, None
+            exit_mode(live)
+        if self._saved is not None:
+            saved, self._saved = self._saved, None
+            exit_saved_hooks(saved)
+        self._interiors.clear()
+        self._key = key if activations else None
+        if hidden_recompute is not None:
+            self._hidden_recompute = hidden_recompute
+        self._replays = self._calibrations = 0
+        self._replay_depth = 0
+        if _has_allocator_counters(self.device):
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if activations:
+            self._saved = SavedBytes(self.device, self._static)
+            self._saved.hooks.__enter__()
+        if exact:
+            if self._stance is None:
+                self._stance = _force_eager()
+            if self._total is not None:
+                self._total.reset_peak()
+            elif not _has_allocator_counters(self.device):
+                self._total = LiveBytes(self.device)
+                self._total.adopt(state)
+                self._total.__enter__()
+            self._live = LiveBytes(self.device, gate=torch.is_grad_enabled)
+            self._live.__enter__()
+        self._phase_peaks = {}
+        self._reserved_peak = 0
+        self._phase = "forward"
+        self._phased = False
+
     def close(self) -> None:
         """Remove every hook and mode this meter installed (idempotent); an open step is discarded."""
         if self._live is not None:
@@ -473,7 +577,8 @@ class StepMeter:
                 return fn(*args, **kwargs)
             # calibration: follow the storages this replay creates (the outer hook cannot see them)
             start = saved.live
-            scope = LiveBytes(self.device, skip=saved.tracked)
+            # grad mode only, as in exact mode: no_grad allocations (FSDP2's all-gathers) are not activations
+            scope = LiveBytes(self.device, skip=saved.tracked, gate=torch.is_grad_enabled)
             try:
                 with scope:
                     return fn(*args, **kwargs)

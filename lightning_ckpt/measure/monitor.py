@@ -4,23 +4,28 @@
 first micro-batch of an optimizer step, :meth:`~StepMonitor.add_batch` for every micro-batch,
 :meth:`~StepMonitor.end_step` after the optimizer step. It owns a :class:`~lightning_ckpt.measure.meter.StepMeter`.
 
-Time and throughput: a step's wall time runs from the end of the previous optimizer step (so data loading is
+Time and throughput: a step's time runs from the end of the previous optimizer step (so data loading is
 included, as a user timing the loop would see it) to the end of this one; validation and other pauses between
 steps are cut out with :meth:`~StepMonitor.pause` / :meth:`~StepMonitor.resume` (only the paused interval: the
 next step still includes the loading of its batch). The first step of a run starts at :meth:`begin_step` (the
-loader's start-up before it is no step's). ``tokens_per_sec = tokens / step_s``; tokens are counted
-from the batch (``attention_mask`` non-padding when present, else the token tensor's size) or by ``tokens_fn``.
+loader's start-up before it is no step's). Each step's own time, not an average over the steps between two
+logging steps: on CUDA from CUDA events recorded at the step boundaries (the device's timeline, see
+:mod:`lightning_ckpt.measure.clock`), on the CPU from the host's ``perf_counter``. A step's time and tokens are
+read only on steps that count tokens (``begin_step(tokens=True)``, the logging steps): reading an event waits for
+the device once, so every other step records one event and waits for nothing; their ``step_s`` is ``None``.
+``tokens_per_sec = tokens / step_s``; tokens are counted from the batch (``attention_mask`` non-padding when
+present, else the token tensor's size) or by ``tokens_fn``.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
+from lightning_ckpt.measure.clock import EventClock, HostClock, clock_for
 from lightning_ckpt.measure.ledger import Ledger, build_ledger
 from lightning_ckpt.measure.meter import StepMeter, StepReading
 from lightning_ckpt.measure.tokens import count_samples, count_tokens
@@ -30,31 +35,32 @@ __all__ = ["StepMonitor", "StepResult"]
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step measured on this rank (``tokens`` is ``None`` when they were not counted)."""
+    """What one optimizer step measured on this rank (``tokens`` and ``step_s`` are ``None`` when not read)."""
 
     reading: Optional[StepReading]
     ledger: Optional[Ledger]
     tokens: Optional[int]
     samples: int
-    step_s: float
+    step_s: Optional[float]
     checkpointed_blocks: int
 
     @property
     def tokens_per_sec(self) -> float:
-        return (self.tokens or 0) / self.step_s if self.step_s > 0 else 0.0
+        return (self.tokens or 0) / self.step_s if self.step_s else 0.0
 
     @property
     def samples_per_sec(self) -> float:
-        return self.samples / self.step_s if self.step_s > 0 else 0.0
+        return self.samples / self.step_s if self.step_s else 0.0
 
     def metrics(self, prefix: str = "") -> Dict[str, float]:
         """Every metric name of DESIGN.md that this step measured (GiB floats for memory)."""
         root = f"{prefix}/" if prefix else ""
         out = dict(self.ledger.as_metrics(prefix=f"{root}memory")) if self.ledger is not None else {}
-        if self.tokens is not None:
+        if self.tokens is not None and self.step_s is not None:
             out[f"{root}throughput/tokens_per_sec"] = self.tokens_per_sec
             out[f"{root}throughput/samples_per_sec"] = self.samples_per_sec
-        out[f"{root}time/step_s"] = self.step_s
+        if self.step_s is not None:
+            out[f"{root}time/step_s"] = self.step_s
         out[f"{root}checkpointing/blocks"] = float(self.checkpointed_blocks)
         return out
 
@@ -67,16 +73,25 @@ class StepMonitor:
         tokens_fn: ``tokens_fn(batch) -> int`` overriding the token count.
         capacity: device capacity in bytes for the ledger, if known.
         exact_every_n_steps: make every n-th measured step an exact (calibration) step; 0 never.
+        clock: where step times come from (default :func:`~lightning_ckpt.measure.clock.clock_for` the device:
+            CUDA events on CUDA, the host's clock elsewhere); a test passes a fake event clock.
+        allocator_note: why the allocator's lines are not comparable this run (CUDA graphs), or ``None``; passed to
+            every ledger (:func:`~lightning_ckpt.measure.ledger.build_ledger`).
     """
 
     def __init__(self, device: Union[torch.device, str], *, tokens_fn: Optional[Callable[[Any], Any]] = None,
-                 capacity: Optional[int] = None, exact_every_n_steps: int = 0) -> None:
+                 capacity: Optional[int] = None, exact_every_n_steps: int = 0,
+                 clock: Union[HostClock, EventClock, None] = None, allocator_note: Optional[str] = None) -> None:
         self.meter = StepMeter(device)
         self.tokens_fn = tokens_fn
         self.capacity = capacity
         self.exact_every_n_steps = exact_every_n_steps
-        self._last_end: Optional[float] = None
-        self._paused_at: Optional[float] = None
+        self.clock = clock if clock is not None else clock_for(self.meter.device)
+        self.allocator_note = allocator_note
+        self._start: Any = None  # the mark the open (or next) step's time starts at: the previous step's end
+        self._paused_at: Any = None
+        self._pauses: List[Tuple[Any, Any]] = []  # (pause, resume) marks since _start
+        self._has_start = False
         self._measured = 0
         self._tokens: Any = 0
         self._samples = 0
@@ -98,16 +113,17 @@ class StepMonitor:
 
         ``key`` (what determines the step's memory: plan, batch shapes, precision) makes the first step of each key
         an exact reference step (see :mod:`lightning_ckpt.measure.meter`); ``eager`` runs compiled code eagerly;
-        ``tokens`` (default: ``measure``) counts tokens and samples for the throughput lines; ``state`` are the
+        ``tokens`` (default: ``measure``) counts tokens and samples and reads the step's time, for the time and
+        throughput lines (on CUDA reading the time waits for the device once, at :meth:`end_step`); ``state`` are the
         model state's tensors (for the phase peaks of an exact step on the CPU); ``exact`` forces the step exact or
         not (``None``: every ``exact_every_n_steps``-th measured step); ``hidden_recompute``: see
         :meth:`~lightning_ckpt.measure.meter.StepMeter.start_step`. A step that is not measured touches nothing:
         no hook, no allocator counter reset (other tools' peaks stay as they are).
         """
         if self._paused_at is not None:  # paused without resume(): time from here on
-            self._last_end, self._paused_at = None, None
-        if self._last_end is None:
-            self._last_end = time.perf_counter()
+            self._has_start, self._paused_at = False, None
+        if not self._has_start:
+            self._start, self._pauses, self._has_start = self.clock.mark(), [], True
         if measure:
             if exact is None:
                 exact = bool(self.exact_every_n_steps and self._measured % self.exact_every_n_steps == 0)
@@ -121,6 +137,14 @@ class StepMonitor:
         if self._ledger_wanted:
             self.meter.phase(name)
 
+    def restart_step(self, key: Any = None, state: Iterable[torch.Tensor] = (),
+                     hidden_recompute: Optional[bool] = None) -> None:
+        """The open step is retried after an error inside it: a measured step's figures start over under ``key``
+        (:meth:`lightning_ckpt.measure.meter.StepMeter.restart_step`); its time, tokens and samples run on (the
+        same batches, the time the failed attempt took included)."""
+        if self._open and self._ledger_wanted:
+            self.meter.restart_step(key=key, state=state, hidden_recompute=hidden_recompute)
+
     def add_batch(self, batch: Any) -> None:
         if not self._counting:  # counts are only read on logging steps: no work (or GPU op) otherwise
             return
@@ -130,14 +154,16 @@ class StepMonitor:
     def end_step(self, model: nn.Module, optimizers: Iterable[Any], checkpointed_blocks: int) -> StepResult:
         """Close the step; the ledger is built only when the step was measured."""
         reading = self.meter.stop_step() if self._ledger_wanted else None
-        now = time.perf_counter()
-        step_s = now - (self._last_end if self._last_end is not None else now)
-        self._last_end = now
+        end = self.clock.mark()
+        # read only where the figures are read: on CUDA this waits for the device (once; the tokens then cost nothing)
+        step_s = self.clock.elapsed(self._start, end, self._pauses) if self._counting else None
+        self._start, self._pauses, self._has_start = end, [], True
         self._open = False
         ledger = None
         if self._ledger_wanted:
             self._measured += 1
-            ledger = build_ledger(model, list(optimizers), reading, capacity=self.capacity, device=self.meter.device)
+            ledger = build_ledger(model, list(optimizers), reading, capacity=self.capacity, device=self.meter.device,
+                                  allocator_note=self.allocator_note)
         # a token count on the GPU is read only on logging steps: reading it waits for the device
         tokens = int(self._tokens) if self._counting else None
         return StepResult(reading, ledger, tokens, self._samples, step_s, checkpointed_blocks)
@@ -148,21 +174,22 @@ class StepMonitor:
         Without a ``resume()``, the next step starts at its :meth:`begin_step`.
         """
         if self._paused_at is None:
-            self._paused_at = time.perf_counter()
+            self._paused_at = self.clock.mark()
 
     def resume(self) -> None:
         """End a :meth:`pause`: the paused interval is cut out of the next step's time."""
         if self._paused_at is None:
             return
-        if self._last_end is not None:
-            self._last_end += time.perf_counter() - self._paused_at
+        if self._has_start:
+            self._pauses.append((self._paused_at, self.clock.mark()))
         self._paused_at = None
 
     def abort(self) -> None:
         """Drop an open step (an exception inside it) and remove every hook."""
         self.meter.close()
         self._open = False
-        self._last_end = self._paused_at = None
+        self._start = self._paused_at = None
+        self._pauses, self._has_start = [], False
 
     def close(self) -> None:
         self.abort()

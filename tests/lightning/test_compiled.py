@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _lightning_models import CompiledGPT, GraphCount, trainer_kwargs
+from _torch_features import needs_compiler_budget
 from lightning.pytorch import Trainer, seed_everything
 from torch.utils.data import DataLoader
 
@@ -18,6 +19,7 @@ from lightning_ckpt.lightning.compiled import (
     blocks_in_one_compiled_graph,
     compile_blocks_one_by_one,
     compiled_block_caller,
+    cuda_graphs_in_use,
 )
 
 T = 32
@@ -149,11 +151,13 @@ def _fit(tmp_path, model, cb, steps=2, accumulate=1, **overrides):
     return trainer
 
 
+@needs_compiler_budget
 def test_compiler_modes_in_a_whole_model_graph_are_refused_naming_compile_blocks_as_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"whole model is one compiled graph.*compile_blocks=True"):
         _fit(tmp_path, _model(GraphCount()), ActivationCheckpointing(policy="modes:off,compiler:0.5"))
 
 
+@needs_compiler_budget
 @pytest.mark.parametrize("precision, accumulate", [("32-true", 1), ("bf16-mixed", 2)])
 def test_compile_blocks_lets_a_whole_model_compile_use_the_compilers_budget_per_block(tmp_path, precision,
                                                                                       accumulate):
@@ -178,3 +182,59 @@ def test_compile_blocks_is_refused_on_a_model_sharded_by_fsdp(monkeypatch):
     with pytest.raises(ValueError, match=r"compile_blocks=True on a model sharded by FSDP.*fully_shard"):
         compile_blocks_one_by_one(model, blocks)
     assert all(b._compiled_call_impl is None for b in blocks)
+
+
+# ------------------------------------------------------------------------------------------------ CUDA graphs
+
+
+@pytest.mark.parametrize(("how", "named"), [
+    ("whole model, mode='reduce-overhead'", "triton.cudagraphs"),
+    ("blocks one by one, mode='max-autotune'", "triton.cudagraphs"),
+    ("blocks one by one, options", "triton.cudagraphs"),
+    ("whole model, backend='cudagraphs'", "backend='cudagraphs'"),
+    ("trainer.fit(torch.compile(model, mode='reduce-overhead'))", "triton.cudagraphs"),
+    ("inductor's global config", "torch._inductor.config.triton.cudagraphs"),
+])
+def test_cuda_graphs_are_found_wherever_the_model_is_compiled(how, named):
+    """CUDA graphs keep a step's tensors in the graphs' private memory pools, so the allocator's peaks stop meaning
+    the step's: every way a Lightning model is compiled with them is found (nothing is compiled or run here)."""
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    model = _model()
+    blocks = [b for _, b in find_blocks(model)]
+    assert cuda_graphs_in_use(model) is None
+    if how.startswith("whole model, mode"):
+        model.model = torch.compile(model.model, mode="reduce-overhead")
+    elif how.startswith("blocks one by one, mode"):
+        for block in blocks:
+            block.compile(mode="max-autotune")
+    elif how == "blocks one by one, options":
+        blocks[1].compile(options={"triton.cudagraphs": True})
+    elif how.startswith("whole model, backend"):
+        model.model = torch.compile(model.model, backend="cudagraphs")
+    elif how.startswith("trainer.fit"):
+        model = from_compiled(torch.compile(model, mode="reduce-overhead"))
+    else:
+        for block in blocks:
+            block.compile()
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"triton.cudagraphs": how == "inductor's global config"}):
+        note = cuda_graphs_in_use(model)
+    assert note is not None and named in note, note
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(mode="max-autotune-no-cudagraphs"), dict(backend="aot_eager"),
+                                    dict(options={"triton.cudagraphs": False})])
+def test_compiles_without_cuda_graphs_are_not_flagged(kwargs):
+    model = _model()
+    blocks = [b for _, b in find_blocks(model)]
+    model.model = torch.compile(model.model, **kwargs)
+    for block in blocks:
+        block.compile(**kwargs)
+    assert cuda_graphs_in_use(model) is None
+    if "options" in kwargs:  # an explicit False in the compile's options wins over inductor's global default
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch({"triton.cudagraphs": True}):
+            assert cuda_graphs_in_use(model) is None

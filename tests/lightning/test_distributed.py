@@ -18,7 +18,8 @@ from _lightning_models import (
     params_of,
     trainer_kwargs,
 )
-from lightning.pytorch import Trainer, seed_everything
+from _torch_features import needs_compiler_budget
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -117,6 +118,7 @@ def _budget_fit(tmp_path, devices: int, steps: int, accumulate: int, callbacks=(
     return params_of(model)
 
 
+@needs_compiler_budget
 @pytest.mark.slow
 @needs_spawn
 def test_budget_prices_compiled_blocks_under_ddp_with_accumulation(tmp_path):
@@ -138,6 +140,80 @@ def test_budget_prices_compiled_blocks_under_ddp_with_accumulation(tmp_path):
         assert any(mode != "off" for mode in rank["modes"])  # the budget is below none's peak
         torch.testing.assert_close(rank["params"], reference, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+_OURS = ("memory/", "throughput/", "time/", "checkpointing/")
+
+
+class CountLogging(Callback):
+    """Per optimizer step on each rank: the collectives made through ``torch.distributed.all_gather`` (DDP's
+    gradients go through the reducer, Lightning's ``train_loss`` is not synced: only the plugin gathers here), the
+    ``LightningModule.log`` calls with the plugin's keys, and the figures the plugin logged; written per rank."""
+
+    def __init__(self, cb, folder: str) -> None:
+        self.cb, self.folder = cb, folder
+        self.gathers = self.logs = 0
+        self.rows = []
+
+    def setup(self, trainer, pl_module, stage):
+        import torch.distributed as dist
+        from lightning.pytorch import LightningModule
+
+        gather, log = dist.all_gather, LightningModule.log
+
+        def counted_gather(*args, **kwargs):
+            self.gathers += 1
+            return gather(*args, **kwargs)
+
+        def counted_log(module, name, *args, **kwargs):
+            self.logs += name.startswith(_OURS)
+            return log(module, name, *args, **kwargs)
+
+        dist.all_gather = counted_gather
+        LightningModule.log = counted_log
+        self._restore = lambda: (setattr(dist, "all_gather", gather), setattr(LightningModule, "log", log))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.gathers = self.logs = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        engine = self.cb._engine
+        self.rows.append({"step": trainer.global_step - 1, "logging": engine._logging, "gathers": self.gathers,
+                          "logs": self.logs, "metrics": dict(self.cb.last_metrics) if engine._logging else None})
+
+    def on_train_end(self, trainer, pl_module):
+        import json
+
+        self._restore()
+        with open(f"{self.folder}/rank{trainer.global_rank}.json", "w") as fh:
+            json.dump(self.rows, fh)
+
+
+@pytest.mark.slow
+@needs_spawn
+def test_under_ddp_each_logging_step_is_one_collective_and_no_lightning_log(tmp_path):
+    """Two ranks, a logging step every second step: each logging step makes exactly one collective (all figures in
+    one vector), the other steps none, the plugin never calls ``self.log`` (one device tensor per value; the old
+    code logged every figure that way), both ranks hold the same reduced figures, and rank zero alone writes them."""
+    import glob
+    import json
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    cb = ActivationCheckpointing(policy="every:2")
+    counter = CountLogging(cb, str(tmp_path))
+    Trainer(callbacks=[cb, counter, CleanDistributedExit()], **trainer_kwargs(
+        tmp_path, devices=2, strategy="ddp_spawn", max_steps=4, log_every_n_steps=2, limit_val_batches=0,
+        num_sanity_val_steps=0, use_distributed_sampler=False,
+        logger=TensorBoardLogger(str(tmp_path), name="tb"))).fit(_model(batch_size=_PER_RANK_BATCH))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rows in ranks:
+        assert [r["logging"] for r in rows] == [False, True, False, True], rows
+        assert [r["gathers"] for r in rows] == [0, 1, 0, 1], rows
+        assert all(r["logs"] == 0 for r in rows), rows
+    for mine, theirs in zip(*ranks):
+        assert mine["metrics"] == theirs["metrics"]
+    assert len(glob.glob(str(tmp_path / "tb" / "**" / "events.out.tfevents.*"), recursive=True)) == 1
 
 
 # ------------------------------------------------------------------------------------------------------ FSDP

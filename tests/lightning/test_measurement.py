@@ -446,6 +446,113 @@ def test_measure_false_logs_nothing(tmp_path):
     assert cb.last_metrics == {}
 
 
+class _LogCalls(Callback):
+    """Counts ``LightningModule.log`` calls per key and records what reaches the logger, with Lightning's step."""
+
+    def __init__(self, monkeypatch) -> None:
+        from lightning.pytorch import LightningModule
+
+        self.keys = []
+        original = LightningModule.log
+
+        def log(module, name, *args, **kwargs):
+            self.keys.append(name)
+            return original(module, name, *args, **kwargs)
+
+        monkeypatch.setattr(LightningModule, "log", log)
+
+
+def test_figures_reach_the_loggers_without_a_device_tensor_per_value(tmp_path, monkeypatch):
+    """``self.log`` makes one device tensor per value (``LightningModule.__to_tensor``: one host-to-device copy each
+    on CUDA, then one ``.item()`` each when written) and costs about 0.35 ms of host time per key: the figures go to
+    the loggers directly (on the old code every figure went through ``self.log``). What a user reads stays: the
+    event file's tags at Lightning's steps (those of ``train_loss``), ``callback.last_metrics``, the progress bar,
+    and ``trainer.callback_metrics`` (host tensors, e.g. for ``ModelCheckpoint(monitor=...)``)."""
+    calls = _LogCalls(monkeypatch)
+    cb = ActivationCheckpointing(policy="every:2")
+    trainer = Trainer(
+        callbacks=[cb, calls],
+        **trainer_kwargs(
+            tmp_path, max_steps=4, log_every_n_steps=2, limit_val_batches=0, num_sanity_val_steps=0,
+            logger=TensorBoardLogger(str(tmp_path), name="tb"),
+        ),
+    )
+    trainer.fit(TinyTransformer())
+    ours = [k for k in calls.keys if k.startswith(("memory/", "throughput/", "time/", "checkpointing/"))]
+    assert ours == [] and {"act_GiB", "tok/s"}.isdisjoint(calls.keys), calls.keys
+    acc = _events(tmp_path)
+    loss_steps = [e.step for e in acc.Scalars("train_loss")]
+    assert loss_steps == [1, 3]
+    for tag in cb.last_metrics:
+        assert sorted(_series(acc, tag)) == loss_steps, tag
+        assert _series(acc, tag)[3] == pytest.approx(cb.last_metrics[tag], rel=1e-6)  # float32 in the file
+        value = trainer.callback_metrics[tag]
+        assert isinstance(value, torch.Tensor) and value.device.type == "cpu"
+        assert float(value) == pytest.approx(cb.last_metrics[tag], rel=1e-6)
+    assert trainer.progress_bar_metrics["act_GiB"] == pytest.approx(cb.last_metrics["memory/activations_gib"])
+
+
+class _TwoRanks:
+    """A strategy of two ranks whose ``all_gather`` stacks this rank's vector with the other rank's."""
+
+    world_size = 2
+
+    def __init__(self, device, other) -> None:
+        self.root_device, self.other, self.sent, self.gathered = torch.device(device), other, [], []
+
+    def all_gather(self, tensor):
+        self.sent.append(tensor)
+        if not isinstance(self.other, torch.Tensor):  # made once (a blocking copy on CUDA: not the reduction's)
+            self.other = torch.tensor([self.other[k] for k in sorted(self.other)], dtype=tensor.dtype,
+                                      device=tensor.device)
+        out = torch.stack([tensor, self.other])
+        self.gathered.append(out)
+        return out
+
+
+_MINE = {"memory/activations_gib": 1.5, "throughput/tokens_per_sec": 100.0, "time/step_s": 0.25}
+_THEIRS = {"memory/activations_gib": 2.5, "throughput/tokens_per_sec": 300.0, "time/step_s": 0.5}
+_REDUCED = {"memory/activations_gib": 2.5, "throughput/tokens_per_sec": 400.0, "time/step_s": 0.5}
+
+
+def _functions_on(seen, tensor) -> list:
+    from torch.utils._pytree import tree_flatten
+
+    return [func for func, args, kwargs in seen if any(a is tensor for a in tree_flatten((args, kwargs))[0])]
+
+
+def test_the_reduction_is_one_collective_with_one_copy_each_way():
+    """One vector, moved to the device with one non-blocking copy (pinned on CUDA: see the GPU test), one
+    collective, and one copy of the gathered result back to the host, where the max and the sum are taken (the old
+    code reduced on the device and read the sum and the max with a ``tolist()`` each: two device-to-host copies)."""
+    from torch.overrides import TorchFunctionMode
+
+    from lightning_ckpt.lightning.metrics import reduce_across_ranks
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append((func, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    strategy = _TwoRanks("cpu", _THEIRS)
+    with Seen() as seen:
+        reduced = reduce_across_ranks(strategy, dict(_MINE))
+    assert reduced == _REDUCED
+    assert len(strategy.sent) == 1
+    moves = [(args, kwargs) for func, args, kwargs in seen.calls if func is torch.Tensor.to]
+    assert [kwargs.get("non_blocking") for _, kwargs in moves[:1]] == [True]
+    on_gathered = _functions_on(seen.calls, strategy.gathered[0])
+    # first the one copy back (on the CPU it returns the same tensor: the host's work on it follows), nothing reduced
+    # on the device
+    assert on_gathered[0] is torch.Tensor.to and on_gathered.count(torch.Tensor.to) == 1, on_gathered
+    assert not {torch.Tensor.sum, torch.Tensor.max} & set(on_gathered), on_gathered
+    assert reduce_across_ranks(type("One", (), {"world_size": 1})(), dict(_MINE)) == _MINE
+
+
 # ---------------------------------------------------------------------------------------- multi-process
 
 
@@ -584,3 +691,60 @@ def test_peak_allocated_matches_torch_cuda_max_memory_allocated_for_the_step(tmp
             (reading.peak_reserved - reading.peak_allocated) / GiB
         )
         assert math.isfinite(metrics["memory/other_gib"]) and metrics["memory/other_gib"] >= 0
+
+
+@pytest.mark.gpu
+def test_the_reduction_on_cuda_copies_from_pinned_memory_and_waits_once():
+    """On CUDA: the vector leaves pinned host memory with a non-blocking copy and the device is waited for once
+    (the copy of the gathered figures back); the old code made a blocking pageable copy and two reads (three
+    syncs, which ``set_sync_debug_mode("warn")`` reports)."""
+    from torch.overrides import TorchFunctionMode
+
+    from lightning_ckpt.lightning.metrics import reduce_across_ranks
+
+    class Sources(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.moved = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.to and args[0].device.type == "cpu":
+                self.moved.append((args[0].is_pinned(), kwargs.get("non_blocking")))
+            return func(*args, **kwargs)
+
+    strategy = _TwoRanks("cuda", _THEIRS)
+    reduce_across_ranks(strategy, dict(_MINE))  # warm-up: the pinned allocator's first block
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, Sources() as sources:
+            warnings.simplefilter("always")
+            reduced = reduce_across_ranks(strategy, dict(_MINE))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert reduced == pytest.approx(_REDUCED)
+    assert sources.moved[:1] == [(True, True)]
+    assert strategy.sent[-1].is_cuda
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_mark_the_allocator_lines_not_comparable(tmp_path):
+    """``torch.compile(mode="reduce-overhead")``: one warning naming the fix, the allocator lines not logged, the
+    report saying why; the activation and model-state lines are logged as usual."""
+    model = _gpt(n_layer=2, n_embd=64, T=64)
+    model.model = torch.compile(model.model, mode="reduce-overhead")
+    cb = ActivationCheckpointing(policy="every:2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, accelerator="gpu", max_steps=3, log_every_n_steps=1,
+                                                 limit_val_batches=0, num_sanity_val_steps=0)).fit(
+            model, datamodule=SameBatch(_batch(4, 64)))
+    ours = [str(w.message) for w in caught if "CUDA graphs" in str(w.message)]
+    assert len(ours) == 1 and "max-autotune-no-cudagraphs" in ours[0], ours
+    assert cb.last_metrics["memory/activations_gib"] > 0 and cb.last_metrics["memory/params_gib"] > 0
+    assert not {"memory/peak_allocated_gib", "memory/peak_reserved_gib", "memory/other_gib", "memory/cache_gib",
+                "memory/peak_forward_gib"} & set(cb.last_metrics)
+    assert cb.last_result.ledger.allocator_note is not None

@@ -182,3 +182,30 @@ def test_dominant_and_printing():
     assert "params" in text and "(master)" in text
     assert Ledger(params=1, grads=0, optimizer=0, cache=5).dominant() == "cache"
     assert "fragmentation" in Ledger(params=1, grads=0, optimizer=0, cache=5).diagnosis()
+
+
+def test_allocator_lines_not_comparable_are_left_out_with_the_reason():
+    """Under CUDA graphs (``torch.compile(mode="reduce-overhead")``) the allocator's peaks count the graphs' memory
+    pools, not the step: the ledger keeps the reason and leaves every allocator-derived line out (peaks, other,
+    cache, the per-phase peaks), so no curve shows them as if they were comparable; the model-state lines and the
+    activations stay."""
+    model = nn.Linear(256, 256)
+    reading = StepReading(activations=36 * MiB, autocast_copies=4 * MiB, peak_allocated=50 * MiB,
+                          peak_reserved=64 * MiB, phase_peaks={"forward": 50 * MiB, "backward": 40 * MiB})
+    note = "torch.compile(mode='reduce-overhead') runs CUDA graphs"
+    ledger = build_ledger(model, [], reading, capacity=80 * MiB, allocator_note=note)
+    assert ledger.allocator_note == note and not ledger.allocator_comparable
+    assert (ledger.peak_allocated, ledger.peak_reserved, ledger.other, ledger.cache) == (None,) * 4
+    assert ledger.phase_peaks is None and ledger.headroom is None
+    assert set(ledger.as_metrics()) == {f"memory/{k}_gib" for k in
+                                        ("params", "grads", "optimizer", "activations", "autocast_copies")}
+    assert ledger.with_activations(30 * MiB).allocator_note == note
+    comparable = build_ledger(model, [], reading, capacity=80 * MiB)
+    assert comparable.allocator_comparable and comparable.allocator_note is None
+    assert {"memory/peak_allocated_gib", "memory/peak_forward_gib"} <= set(comparable.as_metrics())
+    from lightning_ckpt.decide.report import ledger_report
+
+    report = ledger_report(ledger, "every:2", ("none", "every:2", "all"))
+    assert report["allocator_comparable"] is False and report["peak_allocated"] is None
+    assert any(note in line for line in report["advice"]) and not report["phases"]
+    assert ledger_report(comparable, "every:2", ("none", "every:2", "all"))["allocator_comparable"] is True

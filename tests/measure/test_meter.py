@@ -11,10 +11,11 @@ from torch import nn
 from lightning_ckpt.core.replay import register_replay_hook, replay_hooks_active
 from lightning_ckpt.core.wrap import apply_policy
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
-from lightning_ckpt.measure.meter import StepMeter, StepReading, cuda_peaks
+from lightning_ckpt.measure.meter import StepMeter, StepReading, cuda_peaks, device_capacity
 from lightning_ckpt.measure.tokens import count_samples, count_tokens
 
 MiB = 2**20
+GiB = 2**30
 # small enough for MemTracker on a CPU in about a second per policy; the benchmark-size check is in the report
 CFG = GPTConfig.tiny(n_layer=4, n_embd=64, n_head=4, vocab_size=96, block_size=64)
 B, T = 2, 64
@@ -518,3 +519,242 @@ def test_the_allocator_counter_is_left_holding_the_last_phase_after_a_step(monke
     assert reading.peak_allocated == 9 and reading.peak_reserved == 10
     assert counter["allocated"] == 3  # the optimizer phase's peak, not reset by stop_step
     assert counter["resets"] == 1 + 3  # start, two boundaries
+
+
+# ------------------------------------------------------------------------------- replay interiors: grad mode only
+
+
+class _GatheringBlock(nn.Module):
+    """A block whose forward holds a buffer made under ``no_grad`` until it returns, as FSDP2's all-gathered
+    parameters are inside a sharded block: memory of the block's weights, not activations."""
+
+    def __init__(self, held: int) -> None:
+        super().__init__()
+        self.a, self.b, self.held = nn.Linear(32, 64), nn.Linear(64, 32), held
+
+    def forward(self, x):
+        if self.held:
+            with torch.no_grad():
+                gathered = torch.ones(self.held)  # noqa: F841 - alive (a local) until the block returns
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, held: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_GatheringBlock(held) for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _replay_interior(held: int, exact: bool):
+    torch.manual_seed(0)
+    model = _Stack(held)
+    apply_policy(model, "all", blocks=_GatheringBlock)
+    x = torch.randn(8, 32, requires_grad=True)
+    meter = StepMeter("cpu", model=model)
+    readings = []
+    for _ in range(2):  # a calibration step, then one that reuses the interiors
+        meter.start_step(exact=exact)
+        model(x).sum().backward()
+        readings.append(meter.stop_step())
+    assert [r.replays for r in readings] == [2, 2]
+    return meter.largest_replay_interior, [r.activations for r in readings]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_replay_interior_leaves_out_what_the_block_allocates_under_no_grad(exact):
+    """A 4 MiB buffer made under ``no_grad`` inside each replayed block is not part of the replay's interior, nor of
+    the activation figure: both are the same as for the same block without it (on the old code the interior, which
+    counted every storage the replay created, was 4 MiB larger)."""
+    plain_interior, plain = _replay_interior(0, exact)
+    held_interior, held = _replay_interior(2**20, exact)
+    assert 0 < plain_interior < 4 * MiB
+    assert held_interior == plain_interior
+    assert held == plain
+
+
+# -------------------------------------------------------------------------------------------- device capacity
+
+
+class _FakeCudaMemory:
+    """The CUDA queries ``device_capacity`` makes, with figures chosen by the test."""
+
+    def __init__(self, total, free, reserved, fraction):
+        self.total, self.free, self.reserved, self.fraction = total, free, reserved, fraction
+        self.asked = []
+
+    def mem_get_info(self, index):
+        self.asked.append(("mem_get_info", index))
+        return self.free, self.total
+
+    def memory_reserved(self, index):
+        self.asked.append(("memory_reserved", index))
+        return self.reserved
+
+    def memory_fraction(self, index):
+        self.asked.append(("memory_fraction", index))
+        return self.fraction
+
+
+
+@pytest.mark.parametrize(("total", "free", "reserved", "fraction", "want"), [
+    (80 * GiB, 70 * GiB, 6 * GiB, 0.5, 40 * GiB),  # the fraction binds
+    (80 * GiB, 70 * GiB, 6 * GiB, 1.0, 76 * GiB),  # the CUDA context and other processes hold 4 GiB
+    (80 * GiB, 20 * GiB, 6 * GiB, 0.9, 26 * GiB),  # another process holds most of the card
+    (80 * GiB, 70 * GiB, 6 * GiB, None, 76 * GiB),  # a torch without the fraction API: free + reserved
+])
+def test_capacity_is_the_smaller_of_the_fraction_of_total_and_free_plus_reserved(total, free, reserved, fraction,
+                                                                                  want):
+    """Before, ``device_capacity`` was the card's total memory, whatever the context, NCCL, other processes or a
+    memory fraction left (the first three rows would read 80 GiB)."""
+    queries = _FakeCudaMemory(total, free, reserved, fraction)
+    assert device_capacity(torch.device("cuda", 3), queries=queries) == want
+    assert {index for _, index in queries.asked} == {3}
+    assert device_capacity("cpu", queries=queries) is None
+
+
+@pytest.mark.gpu
+def test_capacity_follows_the_per_process_memory_fraction_on_cuda():
+    device = torch.device("cuda", torch.cuda.current_device())
+    free, total = torch.cuda.mem_get_info(device)
+    plain = device_capacity(device)
+    # the CUDA context alone holds memory outside the allocator: what the run can use is below the card's total
+    assert torch.cuda.memory_reserved(device) <= plain < torch.cuda.get_device_properties(device).total_memory
+    assert plain <= free + torch.cuda.memory_reserved(device) + 64 * MiB  # allow for others' allocations in between
+    if not hasattr(torch.cuda, "get_per_process_memory_fraction"):
+        pytest.skip("this torch cannot read the memory fraction back (device_capacity then uses free + reserved)")
+    torch.cuda.set_per_process_memory_fraction(0.25, device)
+    try:
+        limited = device_capacity(device)
+        free, total = torch.cuda.mem_get_info(device)
+        assert limited <= int(0.25 * total)
+        assert abs(limited - min(int(0.25 * total), free + torch.cuda.memory_reserved(device))) <= 64 * MiB
+        # the allocator refuses what the capacity says is not there
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            torch.empty(limited + 256 * MiB, dtype=torch.uint8, device=device)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------ a step started over (a retried step)
+
+
+def _fake_allocator(monkeypatch):
+    """CUDA's peak counters, faked on the CPU: ``allocate(peak)`` raises the running peaks."""
+    from lightning_ckpt.measure import meter as meter_module
+
+    counter = {"allocated": 0, "reserved": 0}
+    monkeypatch.setattr(meter_module, "_has_allocator_counters", lambda device: True)
+    monkeypatch.setattr(meter_module, "cuda_peaks", lambda device: (counter["allocated"], counter["reserved"]))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: counter.update(allocated=0,
+                                                                                                   reserved=0))
+
+    def allocate(peak):
+        counter["allocated"] = max(counter["allocated"], peak)
+        counter["reserved"] = max(counter["reserved"], peak + 1)
+
+    return allocate
+
+
+def test_a_restarted_step_reports_the_retry_alone_under_its_new_key(monkeypatch):
+    """A step that failed in its backward and is started over: the failed attempt's allocator and phase peaks are
+    gone, the retry's forward is the forward phase again, its saved-tensor count is the retry's, and it is the
+    reference step of the key it was restarted under, never of the one it started with."""
+    allocate = _fake_allocator(monkeypatch)
+    model, idx = _gpt("all")
+    meter = StepMeter("cpu", model=model)
+    meter.start_step(key="old plan")
+    loss = model(idx, idx)[1]
+    allocate(900)
+    meter.phase("backward")
+    allocate(1000)  # the failed attempt's backward: its peak must not be the retry's
+    del loss
+    meter.restart_step(key="new plan")
+    assert meter.key == "new plan" and meter._phase == "forward"
+    allocate(500)
+    loss = model(idx, idx)[1]
+    meter.phase("backward")
+    allocate(600)
+    loss.backward()
+    reading = meter.stop_step()
+    assert reading.phase_peaks == {"forward": 500, "backward": 600}
+    assert (reading.peak_allocated, reading.peak_reserved) == (600, 601)
+    assert reading.reference and meter.has_reference("new plan") and not meter.has_reference("old plan")
+    model.zero_grad(set_to_none=True)
+    with meter.step(key="new plan") as box:  # the same plan again, measured cheaply: the same figure
+        _fwd_bwd(model, idx)
+    assert box.reading.activations == reading.activations and not box.reading.reference
+
+
+class _FailingMLP(nn.Module):
+    """Wraps a block's MLP: raises out-of-memory once while ``armed`` and replayed (grad on, in backward)."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.inner, self.armed = mlp, False
+
+    def forward(self, x):
+        if self.armed and torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
+            self.armed = False
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in a replay)")
+        return self.inner(x)
+
+
+def test_a_restarted_step_measures_again_the_replay_interiors_an_error_cut_short():
+    """An error inside a replay being calibrated stores the part of the interior it reached (the replay hook's
+    ``finally`` cannot tell it from checkpoint's early stop); started over, the step measures its interiors
+    again, so the next step's figure is a clean run's."""
+
+    def run(fail: bool):
+        model, idx = _gpt("all")
+        last = model.transformer.h[-1]
+        last.mlp = _FailingMLP(last.mlp)
+        meter = StepMeter("cpu", model=model)
+        readings = []
+        meter.start_step()  # a default-mode step: the interiors are calibrated on their first replay
+        if fail:
+            last.mlp.armed = True
+            with pytest.raises(torch.OutOfMemoryError):
+                _fwd_bwd(model, idx)
+            model.zero_grad(set_to_none=True)
+            partial = meter.largest_replay_interior
+            meter.restart_step()
+        _fwd_bwd(model, idx)
+        readings.append(meter.stop_step())
+        model.zero_grad(set_to_none=True)
+        with meter.step() as box:  # reuses the interiors
+            _fwd_bwd(model, idx)
+        readings.append(box.reading)
+        return readings, (partial if fail else meter.largest_replay_interior)
+
+    (clean, clean_next), interior = run(False)
+    (retried, retried_next), partial = run(True)
+    assert partial < interior  # the error left a partial interior behind
+    assert retried.activations == clean.activations and retried.calibrations == clean.calibrations
+    assert retried_next.activations == clean_next.activations
+
+
+def test_a_graph_never_backpropagated_is_freed_while_the_meter_counts():
+    """The meter's pack hook keeps a detached alias of a saved tensor with history: kept as it is, a saved output
+    (``exp``) holds its own autograd node, a cycle only its backward breaks, so a forward that ran out of memory
+    (or a grad-enabled computation for a log) would never be freed while measured. Still counted while the graph
+    holds it."""
+    meter = StepMeter("cpu")
+    x = torch.randn(1000, requires_grad=True)
+    meter.start_step()
+    y = (x * 2).exp()  # exp saves its output
+    held = y.sum()
+    ref = weakref.ref(y)
+    del y
+    assert meter.live_saved_bytes() == 4000  # y's storage, held by the graph for exp's backward
+    del held
+    assert ref() is None and meter.live_saved_bytes() == 0  # the graph is gone, without gc and without backward
+    y = (x * 2).exp()
+    y.sum().backward()  # the alias is what backward unpacks: the gradient is exp's
+    torch.testing.assert_close(x.grad, 2 * (2 * x).exp().detach())
+    meter.stop_step()

@@ -1,0 +1,236 @@
+"""Step time and throughput of :class:`lightning_ckpt.measure.monitor.StepMonitor` on an asynchronous device.
+
+On CUDA a step's time comes from CUDA events recorded at the step boundaries and is read (one
+``event.synchronize()``) only on steps whose figures are read. On the CPU the same code runs with a fake event
+clock (:class:`FakeDevice`): the device runs the work the host enqueued at its own pace, an event completes when
+the device reaches it, reading an unfinished event is an error (as ``cudaEventElapsedTime`` is), and every
+synchronization is counted. The GPU-marked tests check the real events against a synchronized host timing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ckpt.measure.clock import EventClock, HostClock, clock_for
+from lightning_ckpt.measure.monitor import StepMonitor, StepResult
+
+
+class FakeDevice:
+    """A device that runs enqueued work in order, ``seconds`` of device time per piece, while the host runs ahead."""
+
+    def __init__(self) -> None:
+        self.queued_until = 0.0  # device time at which all enqueued work is done
+        self.done_until = 0.0  # what the host has waited for so far
+        self.synchronizations = 0
+        self.events = 0
+
+    def run(self, seconds: float) -> None:
+        self.queued_until += seconds
+
+    def event(self) -> "FakeEvent":
+        self.events += 1
+        return FakeEvent(self)
+
+
+class FakeEvent:
+    """``torch.cuda.Event(enable_timing=True)`` on a :class:`FakeDevice`."""
+
+    def __init__(self, device: FakeDevice) -> None:
+        self.device, self.at = device, None
+
+    def record(self, stream=None) -> None:
+        self.at = self.device.queued_until
+
+    def synchronize(self) -> None:
+        self.device.synchronizations += 1
+        self.device.done_until = max(self.device.done_until, self.at)
+
+    def query(self) -> bool:
+        return self.at <= self.device.done_until
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        if not (self.query() and end.query()):
+            raise RuntimeError("CUDA error: device not ready")  # what CUDA says for an unfinished event
+        return (end.at - self.at) * 1e3
+
+
+def _monitor(device: FakeDevice, capturing=lambda: False) -> StepMonitor:
+    clock = EventClock("cuda", new_event=device.event, stream=lambda: None, capturing=capturing)
+    return StepMonitor("cpu", clock=clock)
+
+
+def _step(monitor: StepMonitor, device: FakeDevice, seconds: float, read: bool) -> StepResult:
+    monitor.begin_step(measure=False, tokens=read)
+    monitor.add_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long)})
+    device.run(seconds)  # the step's kernels: enqueued in no host time, run later on the device
+    return monitor.end_step(nn.Linear(1, 1), [], 0)
+
+
+def test_step_time_is_the_devices_and_read_only_on_steps_whose_figures_are_read():
+    """The device takes 0.5 s per step while the host enqueues in microseconds: a host interval of one step (the old
+    ``perf_counter`` figure) would read microseconds; the event interval reads 0.5 s. Quiet steps record one event
+    and synchronize nothing; a read step synchronizes once."""
+    device = FakeDevice()
+    monitor = _monitor(device)
+    kinds = [False, False, True, False, True, True]
+    results = []
+    for read in kinds:
+        before = device.synchronizations
+        results.append(_step(monitor, device, 0.5, read))
+        assert device.synchronizations - before == (1 if read else 0)
+    for read, result in zip(kinds, results):
+        if read:
+            assert result.step_s == pytest.approx(0.5, abs=1e-12)
+            assert result.tokens == 16 and result.tokens_per_sec == pytest.approx(32.0)
+            assert result.metrics()["time/step_s"] == pytest.approx(0.5, abs=1e-12)
+        else:  # not read: no figure, rather than a host figure that looks like one
+            assert result.step_s is None and result.tokens is None
+            assert "time/step_s" not in result.metrics() and "throughput/tokens_per_sec" not in result.metrics()
+    assert device.events == 1 + len(kinds)  # the first step's start, then one per step boundary
+
+
+def test_a_step_includes_the_device_idle_wait_for_its_batch():
+    """Between two steps the host loads the next batch while the device, done, waits: the event interval of the next
+    step includes that wait (as a user timing the loop sees it), since its start is the previous step's end."""
+    device = FakeDevice()
+    monitor = _monitor(device)
+    _step(monitor, device, 0.5, read=False)
+    device.run(0.2)  # the device idles 0.2 s waiting for the next batch: modelled as 0.2 s of device time
+    assert _step(monitor, device, 0.5, read=True).step_s == pytest.approx(0.7, abs=1e-12)
+
+
+def test_pauses_are_cut_out_of_the_step_on_the_device_timeline():
+    device = FakeDevice()
+    monitor = _monitor(device)
+    _step(monitor, device, 0.5, read=False)
+    device.run(0.1)  # loading before the validation run
+    monitor.pause()
+    device.run(3.0)  # validation
+    monitor.resume()
+    device.run(0.2)  # loading after it
+    monitor.pause()
+    device.run(1.0)  # a second pause in the same interval
+    monitor.resume()
+    before = device.synchronizations
+    result = _step(monitor, device, 0.5, read=True)
+    assert device.synchronizations - before == 1  # the pauses' events are read after the same one wait
+    assert result.step_s == pytest.approx(0.8, abs=1e-12)
+    # a pause without resume: the next step starts at its begin_step
+    monitor.pause()
+    device.run(5.0)
+    assert _step(monitor, device, 0.5, read=True).step_s == pytest.approx(0.5, abs=1e-12)
+
+
+def test_a_step_recorded_while_the_stream_is_capturing_has_no_time():
+    """Inside a CUDA graph capture an event record would become part of the graph: no mark, and no step time."""
+    device = FakeDevice()
+    capturing = {"now": False}
+    monitor = _monitor(device, capturing=lambda: capturing["now"])
+    _step(monitor, device, 0.5, read=False)
+    capturing["now"] = True
+    assert _step(monitor, device, 0.5, read=True).step_s is None
+    capturing["now"] = False
+    assert _step(monitor, device, 0.5, read=True).step_s is None  # its start was not marked either
+    assert _step(monitor, device, 0.5, read=True).step_s == pytest.approx(0.5, abs=1e-12)
+
+
+def test_the_default_clock_is_the_host_on_the_cpu_and_events_on_cuda():
+    assert isinstance(clock_for(torch.device("cpu")), HostClock)
+    assert isinstance(clock_for(torch.device("cuda", 0)), EventClock)  # built without touching CUDA
+    host = _monitor_host()
+    host.begin_step(measure=False, tokens=True)
+    time.sleep(0.02)
+    result = host.end_step(nn.Linear(1, 1), [], 0)
+    assert result.step_s >= 0.02
+
+
+def _monitor_host() -> StepMonitor:
+    return StepMonitor("cpu")
+
+
+def test_abort_forgets_the_open_interval():
+    device = FakeDevice()
+    monitor = _monitor(device)
+    _step(monitor, device, 0.5, read=False)
+    device.run(4.0)  # an exception, handled outside any step
+    monitor.abort()
+    assert _step(monitor, device, 0.5, read=True).step_s == pytest.approx(0.5, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------- GPU
+
+
+_CYCLES_PER_MS = []
+
+
+def _busy(ms: float) -> None:
+    """About ``ms`` milliseconds of device time in one kernel (``torch.cuda._sleep`` spins for a cycle count, here
+    calibrated once against a synchronized host clock)."""
+    if not _CYCLES_PER_MS:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.cuda._sleep(50_000_000)
+        torch.cuda.synchronize()
+        _CYCLES_PER_MS.append(50_000_000 / ((time.perf_counter() - t0) * 1e3))
+    torch.cuda._sleep(int(ms * _CYCLES_PER_MS[0]))
+
+
+@pytest.mark.gpu
+def test_event_timed_steps_agree_with_a_synchronized_host_timing_on_cuda():
+    """Each step is one ~30 ms kernel the host enqueues in microseconds. The host timing synchronizes before and after
+    each step; the monitor's event figure must agree with it (within 10 % + 2 ms: both include whatever else runs
+    on a busy GPU), while the host interval of the unsynchronized enqueue (what ``perf_counter`` read before) is a
+    small part of it."""
+    _busy(1)  # calibrated outside the timed steps
+    monitor = StepMonitor("cuda")
+    host, enqueue, events = [], [], []
+    torch.cuda.synchronize()
+    monitor.begin_step(measure=False, tokens=True)  # the first step's start mark
+    monitor.end_step(nn.Linear(1, 1), [], 0)
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        monitor.begin_step(measure=False, tokens=True)
+        _busy(30)
+        t1 = time.perf_counter()
+        result = monitor.end_step(nn.Linear(1, 1), [], 0)
+        torch.cuda.synchronize()
+        host.append(time.perf_counter() - t0)
+        enqueue.append(t1 - t0)
+        events.append(result.step_s)
+    for h, e, q in zip(host, events, enqueue):
+        assert abs(e - h) <= 0.1 * h + 2e-3, (e, h)
+        assert q < 0.5 * e, (q, e)
+
+
+@pytest.mark.gpu
+def test_quiet_steps_never_synchronize_on_cuda(monkeypatch):
+    """``set_sync_debug_mode("error")`` on quiet steps (no blocking copy, no ``.item()``), and no event waited for
+    (``Event.synchronize`` counted: the debug mode does not see event waits); a read step waits once."""
+    waits = {"n": 0}
+    original = torch.cuda.Event.synchronize
+
+    def counted(self):
+        waits["n"] += 1
+        return original(self)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
+    monitor = StepMonitor("cuda")
+    x = torch.randn(1024, 1024, device="cuda")
+    for read in (False, False, True, False):
+        before = waits["n"]
+        torch.cuda.set_sync_debug_mode("default" if read else "error")
+        try:
+            monitor.begin_step(measure=False, tokens=read)
+            monitor.add_batch({"input_ids": x})
+            for _ in range(20):
+                x = x @ x / 1024
+            result = monitor.end_step(nn.Linear(1, 1), [], 0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert waits["n"] - before == (1 if read else 0)
+        assert (result.step_s is not None) == read
