@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
+from typing import Optional
 
 from lightning_ckpt.core.policy import parse_policy_list
 from lightning_ckpt.core.units import GiB, MiB, format_bytes, parse_size
@@ -14,9 +16,11 @@ from lightning_ckpt.forecast.numbers import (
     KORTHIKANTI_TENSORS,
     ForecastInputs,
     LedgerForecast,
+    attention_call,
     forecast_from_numbers,
 )
 from lightning_ckpt.forecast.precision import PRECISIONS
+from lightning_ckpt.forecast.sdpa import describe_choices, resolve_gpu, saved_bytes, select_for_call
 from lightning_ckpt.forecast.trace import DEVICES, forecast_model
 
 __all__ = ["add_parser", "run"]
@@ -69,7 +73,19 @@ def add_parser(sub) -> None:
                         "autocast lists); default cuda when --capacity is given, else cpu")
     p.add_argument("--sdpa-backend", default=None, metavar="BACKEND",
                    help="--model --device cuda: scaled_dot_product_attention backend: auto (default: what PyTorch "
-                        "would pick for the dtype, head size, mask and dropout), flash, efficient or math")
+                        "would pick on --sm for the dtype, head size, mask and dropout), cudnn, flash, efficient or "
+                        "math")
+    gpu = p.add_argument_group("target GPU (the attention backend PyTorch picks depends on them)")
+    gpu.add_argument("--sm", default=None, metavar="SM|GPU",
+                     help="compute capability (9.0, sm_75) or GPU name (H100, A100, T4, 'RTX 4090'); default: this "
+                          "machine's GPU, else H100")
+    gpu.add_argument("--cudnn", default=None, metavar="VERSION",
+                     help="the target's runtime cuDNN (9.15.1 or 91501, torch.backends.cudnn.version()); default: "
+                          "the one this machine's torch loads")
+    gpu.add_argument("--torch-version", default=None, metavar="X.Y",
+                     help="the torch the target runs, whose selection rules apply (default: the installed one)")
+    gpu.add_argument("--attn-dropout", type=float, default=None,
+                     help="numbers with --sm: the attention dropout probability (default 0)")
     p.add_argument("--foreach", default=None, action=argparse.BooleanOptionalAction,
                    help="the optimizer's multi-tensor step, which holds a parameter-sized temporary per moment "
                         "(--model default: torch's default on --device, on for cuda; numbers default: off, as a "
@@ -102,6 +118,10 @@ def run(args) -> int:
     for name in ("init_args", "config", "vocab_size", "precision", "device", "sdpa_backend"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} only applies with --model; drop it or pass --model.")
+    targeted = any(getattr(args, n) is not None for n in ("sm", "cudnn", "torch_version"))
+    if args.attn_dropout is not None and not targeted:
+        raise ValueError(f"--attn-dropout={args.attn_dropout!r} only applies with --sm (the attention backend of the "
+                         "target GPU); pass --sm or drop it.")
     for name, value in _NUMBERS_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -115,12 +135,33 @@ def run(args) -> int:
         tensors_per_block=args.tensors_per_block, attention=args.attention,
         capacity=capacity, foreach=bool(args.foreach),
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        attn_dropout=args.attn_dropout or 0.0,
     )
+    attention = None
+    if targeted and args.attention != "eager":
+        # fused attention runs whatever PyTorch picks on the target: the math kernel saves the score matrix
+        gpu = resolve_gpu(args.sm, args.cudnn, args.torch_version)
+        call = attention_call(inputs)
+        choice = select_for_call(call, gpu)
+        inputs = replace(inputs, attention_backend=choice.backend)
+        attention = dict(gpu=gpu.describe(), backend=choice.backend, source=str(choice.source),
+                         saved_bytes_per_block=saved_bytes(choice.backend, call), assumptions=list(gpu.assumptions),
+                         explanation=choice.explain())
     forecast = forecast_from_numbers(inputs)
     if args.json:
-        print(json.dumps(forecast.as_json(), indent=2))
+        data = forecast.as_json()
+        if attention is not None:
+            data["attention"] = attention
+        print(json.dumps(data, indent=2))
     else:
         print(_table(forecast))
+        if attention is not None:
+            print(f"attention on {attention['gpu']}: {attention['backend']} [{attention['source']}], saves "
+                  f"{format_bytes(attention['saved_bytes_per_block'])} per block "
+                  f"({'score matrix B·H·L·S included' if attention['backend'] == 'math' else 'no score matrix'})")
+            print("  " + attention["explanation"].replace("\n", "\n  "))
+            for note in attention["assumptions"]:
+                print(f"  assumption: {note}")
     return 0
 
 
@@ -136,15 +177,28 @@ def _run_plan_model(args) -> int:
     if args.sdpa_backend is not None and device != "cuda":
         raise ValueError(f"--sdpa-backend={args.sdpa_backend!r} only applies with --device cuda (the CPU runs its own "
                          "kernel); drop it or pass --device cuda.")
+    for name in ("sm", "cudnn", "torch_version", "attn_dropout"):
+        value = getattr(args, name)
+        if value is not None and (device != "cuda" or name == "attn_dropout"):
+            why = ("the model's own dropout is traced" if name == "attn_dropout" else
+                   "the CPU runs its own kernels; pass --device cuda")
+            raise ValueError(f"--{name.replace('_', '-')}={value!r} does not apply here ({why}); drop it.")
+    gpu = resolve_gpu(args.sm, args.cudnn, args.torch_version) if device == "cuda" else None
+    sdpa_log: list = []
     _, kwargs, _ = load_init_args(args.init_args, args.config)
     t0 = time.perf_counter()
     forecast = forecast_model(args.model, kwargs, micro_batch=args.micro_batch, seq_len=args.seq_len,
                               policies=parse_policy_list(args.policies), param_dtype=args.param_dtype,
                               optimizer=args.optimizer, master_dtype=args.master_dtype, capacity=capacity,
                               vocab_size=args.vocab_size, precision=args.precision or "32-true", device=device,
-                              sdpa_backend=args.sdpa_backend or "auto", foreach=args.foreach)
+                              sdpa_backend=args.sdpa_backend or "auto", foreach=args.foreach, gpu=gpu,
+                              sdpa_log=sdpa_log)
+    attention = _attention_summary(gpu, sdpa_log)
     if args.json:
-        print(json.dumps(forecast.as_json(), indent=2))
+        data = forecast.as_json()
+        if attention is not None:
+            data["attention"] = attention
+        print(json.dumps(data, indent=2))
         return 0
     print(f"model {forecast.model}: {forecast.num_params / 1e9:.3f} B parameters, {forecast.blocks} blocks of "
           f"{forecast.block_class}, "
@@ -156,7 +210,20 @@ def _run_plan_model(args) -> int:
     if replays:
         print("largest replay transient (one region's interior while it is recomputed, included above): "
               + ", ".join(f"{p} {format_bytes(v)}" for p, v in replays.items()))
+    if attention is not None:
+        calls = ", ".join(attention["decisions"]) or "no scaled_dot_product_attention call traced"
+        print(f"attention on {attention['gpu']}: {calls}")
+        for note in attention["assumptions"]:
+            print(f"  assumption: {note}")
     return 0
+
+
+def _attention_summary(gpu, choices) -> Optional[dict]:
+    """What the trace's attention calls ran on the target, with the deciding rule and the assumptions made."""
+    if gpu is None:
+        return None
+    return dict(gpu=gpu.describe(), backends=sorted({c.backend for c in choices}),
+                decisions=describe_choices(choices), assumptions=list(gpu.assumptions))
 
 
 def _device_note(forecast) -> str:

@@ -19,8 +19,8 @@ Rules (paths in PyTorch's source tree):
                                                       calling it, as CUDA's does; p = 0,      able``); tools/
                                                       eval, p = 1, empty inputs and in-place  autograd/derivatives
                                                       ``dropout_`` keep their code path.      .yaml (native_dropout)
-2   scaled_dot_      CPU flash kernel: output laid    the backend CUDA would run, see         aten/src/ATen/native/
-    product_         out [B, H, L, D], so a caller's  :func:`choose_sdpa_backend`;            transformers/
+2   scaled_dot_      CPU flash kernel: output laid    the backend the GPU would run, see      aten/src/ATen/native/
+    product_         out [B, H, L, D], so a caller's  :func:`choose_sdpa`;                    transformers/
     attention        ``transpose(1, 2).contiguous()`` ``aten::scaled_dot_product_attention``  attention.cpp,
                      copies it (a second saved        gets a CompositeImplicitAutograd        cuda/sdp_utils.cpp,
                      tensor); masks accepted. Or the  kernel.                                 sdp_utils_cpp.h
@@ -43,6 +43,12 @@ Rules (paths in PyTorch's source tree):
                                                       ``allowFP16BF16ReductionMathSDP``, GQA  group_query_attention
                                                       by ``repeat_interleave``; its           _input)
                                                       ``at::dropout`` goes through rule 1.
+2d    cudnn          —                                saves q, k, v, attn_bias (a bool mask   derivatives.yaml
+                                                      made additive with -65504, as given:    (_scaled_dot_product_
+                                                      not padded, not expanded), output       cudnn_attention);
+                                                      (the query's layout), logsumexp         meta kernel; attention
+                                                      [B, H, L, 1] float32, philox seed and   .cpp (convert_boolean
+                                                      offset int64 [].                        _attn_mask_cudnn)
 3   cross_entropy,   ``_log_softmax`` saves its       the same: device-independent formulas   derivatives.yaml
     log_softmax,     result, ``nll_loss_forward``     and composite, **no override**. (CUDA   (_log_softmax,
     nll_loss         that, target, total_weight.      skips the transient float32 copy of an  nll_loss_forward);
@@ -62,14 +68,13 @@ Rules (paths in PyTorch's source tree):
                                                       autograd node runs.                     (_fused_rms_norm)
 === ================ ================================ ======================================= ======================
 
-SDPA backend choice (:func:`choose_sdpa_backend`) follows ``select_sdp_backend`` in ``cuda/sdp_utils.cpp`` for an
-sm80/sm90 GPU (A100, H100) in its default order flash → efficient → math, and honours the flags
-``torch.backends.cuda.enable_flash_sdp`` / ``enable_mem_efficient_sdp`` (and ``sdpa_kernel``). Checks that need
-the device (sm86/sm89 head-dim limits for training, cuDNN versions) are not modelled. Recent PyTorch puts cuDNN
-attention first on sm90/sm100 with cuDNN > 9.15: it saves what flash saves (q, k, v, output, logsumexp float32
-[B, H, L, 1]) and accepts masks.
+SDPA backend choice (:func:`choose_sdpa`): PyTorch's own ``select_sdp_backend`` for a target GPU, cuDNN version and
+torch version (:class:`~lightning_ckpt.forecast.sdpa.GpuTarget`), as rules with their sources in
+:mod:`lightning_ckpt.forecast.sdpa`: cuDNN attention first on SM 9.0/10.x when the runtime cuDNN is newer than
+9.15.0, flash from SM 8.0, the math kernel for bf16 before SM 8.0 (it saves the B·H·L·S probabilities). It honours
+``torch.backends.cuda.enable_*_sdp``, ``sdpa_kernel`` (backends and priority) and deterministic mode.
 
-How backward works: the flash and efficient stand-ins are a ``torch.autograd.Function`` that saves exactly the
+How backward works: the flash, efficient and cuDNN stand-ins are a ``torch.autograd.Function`` that saves exactly the
 tensors listed above with ``ctx.save_for_backward``. Their output and logsumexp are allocated *before* the
 Function runs, under grad mode, so a tracker counting the storages operators create under grad mode (the meter's
 ``LiveBytes``) sees them; the Function returns a view of the output. Its backward returns zero gradients shaped
@@ -94,9 +99,20 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["SDPA_BACKENDS", "choose_sdpa_backend", "cuda_semantics"]
+from lightning_ckpt.forecast.sdpa import (
+    GpuTarget,
+    SdpaCall,
+    SdpaChoice,
+    Source,
+    blockers,
+    resolve_gpu,
+    rules_for,
+    select_for_call,
+)
 
-SDPA_BACKENDS = ("auto", "flash", "efficient", "math")
+__all__ = ["SDPA_BACKENDS", "choose_sdpa", "choose_sdpa_backend", "cuda_semantics"]
+
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 _NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -125,9 +141,13 @@ _CUDA_FP32 = (
 _CUDA_FP32_SET_OPT_DTYPE = (
     "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
     "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
+    # the named-dimension overloads: in torch 2.11's lists, gone by 2.14's
+    "prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname", "cumsum.dimname",
+    "sum.dim_DimnameList",
 )
 # AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE: redispatched to the overload that takes a dtype, with dtype=float32
-_CUDA_FP32_APPEND_DTYPE = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype"}
+_CUDA_FP32_APPEND_DTYPE = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype",
+                           "norm.names_ScalarOpt_dim": "names_ScalarOpt_dim_dtype"}  # the last: torch 2.11
 _CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
                  "tensordot", "scatter_add")
 # registered for AutocastCUDA but with no CPU counterpart to mirror (cuDNN-only ops) or deliberately left alone:
@@ -142,7 +162,7 @@ _CPU_POLICY_DIFFERS = frozenset({"prod", "prod.dim_int", "grid_sampler"})
 def _check_backend(name: Any) -> str:
     if name not in SDPA_BACKENDS:
         raise ValueError(f"--sdpa-backend={name!r} is not an SDPA backend; choose one of {list(SDPA_BACKENDS)} "
-                         "('auto' picks the backend CUDA would run for each call).")
+                         "('auto' picks the backend the target GPU would run for each call).")
     return name
 
 
@@ -178,96 +198,43 @@ def _as_4d(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     return tensors
 
 
-def _common_blockers(query, key, value, enable_gqa: bool, ignore_singleton: bool) -> List[str]:
-    """Checks both fused kernels share (sdp_utils_cpp.h, dense inputs)."""
-    if any(t.is_nested for t in (query, key, value)):
-        return ["nested tensors are not modelled"]
-    if not query.dim() == key.dim() == value.dim() == 4:
-        return [f"q, k, v must be 4-D (got {query.dim()}, {key.dim()}, {value.dim()})"]
-    out = []
-    if key.size(-2) == 0 or query.size(-2) == 0:
-        out.append("zero sequence length")
-    strides_ok = all(t.stride(-1) == 1 for t in (query, key, value))
-    if not (strides_ok or (ignore_singleton and query.size(-1) == 1)):
-        out.append("the last dimension of q, k, v must have stride 1")
-    hq, hk, hv = query.size(1), key.size(1), value.size(1)
-    if not query.size(0) == key.size(0) == value.size(0):
-        out.append("q, k, v must have the same batch size")
-    elif enable_gqa:
-        if hk != hv or hq % hk:
-            out.append(f"GQA needs k, v with equal heads dividing q's (got {hq}, {hk}, {hv})")
-    elif not (hq == hk == hv or (hk == hv == 1)):
-        out.append(f"q, k, v must have the same number of heads (got {hq}, {hk}, {hv}); pass enable_gqa=True")
-    return out
-
-
-def _flash_blockers(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> List[str]:
-    """``can_use_flash_attention`` (cuda/sdp_utils.cpp) on sm80/sm90."""
-    query, key, value = _as_4d(query, key, value)
-    out = _common_blockers(query, key, value, enable_gqa, ignore_singleton=True)
-    if attn_mask is not None:
-        out.append("flash attention takes no attn_mask (is_causal=True is fine)")
-    d = (query.size(-1), key.size(-1), value.size(-1))
-    if not (d[0] == d[1] == d[2] and d[0] <= 256):
-        out.append(f"head dims of q, k, v must be equal and at most 256 (got {d})")
-    if is_causal and query.dim() == 4 and query.size(-2) != key.size(-2):
-        out.append("is_causal with different query and key lengths")
-    dtypes = {query.dtype, key.dtype, value.dtype}
-    if len(dtypes) != 1 or query.dtype not in (torch.float16, torch.bfloat16):
-        out.append(f"flash attention needs float16 or bfloat16 q, k, v (got {sorted(map(str, dtypes))})")
-    if not torch.backends.cuda.flash_sdp_enabled():
-        out.append("disabled by torch.backends.cuda.enable_flash_sdp(False) / sdpa_kernel")
-    return out
-
-
-def _efficient_blockers(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> List[str]:
-    """``can_use_mem_efficient_attention`` (cuda/sdp_utils.cpp) on sm80/sm90."""
-    query, key, value = _as_4d(query, key, value)
-    out = _common_blockers(query, key, value, enable_gqa, ignore_singleton=False)
-    dtypes = {query.dtype, key.dtype, value.dtype}
-    if len(dtypes) != 1 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        out.append(f"efficient attention needs float32, float16 or bfloat16 q, k, v (got {sorted(map(str, dtypes))})")
-    # minimum_gemm_alignment on sm80+: 128 bits of tensor-core operand, i.e. 8 half elements or 4 floats
-    align = 8 if query.dtype in (torch.float16, torch.bfloat16) else 4
-    dq, dk, dv = query.size(-1), key.size(-1), value.size(-1)
-    if dq != dk or dq % align or dv % align or not dq or not dv:
-        out.append(f"head dims must match for q, k and be multiples of {align} for q, v (got {dq}, {dk}, {dv})")
-    # check_data_ptr_alignment_mem_efficient: storage offsets must keep that alignment too
-    if any(t.storage_offset() % align for t in (query, key, value)):
-        out.append(f"q, k, v storage offsets must be multiples of {align} elements")
-    if not torch.backends.cuda.mem_efficient_sdp_enabled():
-        out.append("disabled by torch.backends.cuda.enable_mem_efficient_sdp(False) / sdpa_kernel")
-    return out
-
-
-def choose_sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
-                        enable_gqa: bool = False, override: str = "auto") -> str:
-    """The SDPA backend a CUDA GPU (sm80/sm90) would run for these arguments: ``"flash"``, ``"efficient"`` or
-    ``"math"``.
+def choose_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                dropout_p: float = 0.0, is_causal: bool = False, enable_gqa: bool = False, override: str = "auto",
+                gpu: Optional[GpuTarget] = None) -> SdpaChoice:
+    """The backend ``gpu`` would run for these arguments, with the order tried and why earlier ones were refused
+    (:func:`lightning_ckpt.forecast.sdpa.select_for_call`, honouring this process's ``torch.backends.cuda`` switches
+    and ``sdpa_kernel``).
 
     Args:
         query, key, value, attn_mask, dropout_p, is_causal, enable_gqa: as for
             ``torch.nn.functional.scaled_dot_product_attention``.
-        override: ``"auto"`` tries flash, then efficient, then math, as ``select_sdp_backend`` does; a backend name
-            forces that backend.
+        override: ``"auto"`` follows PyTorch's priority order; a backend name forces that backend.
+        gpu: the target (:func:`lightning_ckpt.forecast.sdpa.resolve_gpu`); ``None`` resolves the default (this
+            machine's GPU, else an H100) with its assumptions.
 
     Raises:
         ValueError: ``override`` is not one of :data:`SDPA_BACKENDS`, or names a fused backend whose constraints
-            these arguments break (the message lists them).
+            these arguments break on ``gpu`` (the message lists them).
     """
     _check_backend(override)
-    if override == "math":
-        return "math"
-    args = (query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-    checks = {"flash": _flash_blockers, "efficient": _efficient_blockers}
+    gpu = resolve_gpu() if gpu is None else gpu
+    call = SdpaCall.from_tensors(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if override == "auto":
-        return next((name for name, blockers in checks.items() if not blockers(*args)), "math")
-    blockers = checks[override](*args)
-    if blockers:
-        raise ValueError(f"--sdpa-backend={override!r} cannot run this attention call on CUDA: "
-                         f"{'; '.join(blockers)}. Use --sdpa-backend='auto' (picks what CUDA would run) or 'math'.")
-    return override
+        return select_for_call(call, gpu)
+    refused = blockers(override, call, gpu) if override != "math" else []
+    if refused:
+        reasons = "; ".join(f"{reason} [{source}]" for reason, source in refused)
+        raise ValueError(f"--sdpa-backend={override!r} cannot run this attention call on {gpu.describe()}: {reasons}. "
+                         "Use --sdpa-backend='auto' (picks what CUDA would run) or 'math'.")
+    forced = Source("--sdpa-backend", f"{gpu.torch_version[0]}.{gpu.torch_version[1]}", "lightning-ckpt plan")
+    return SdpaChoice(override, (override,), "forced by --sdpa-backend", forced, {}, rules_for(gpu.torch_version).name)
+
+
+def choose_sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
+                        enable_gqa: bool = False, override: str = "auto", gpu: Optional[GpuTarget] = None) -> str:
+    """The name of the backend :func:`choose_sdpa` picks: ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"``."""
+    return choose_sdpa(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, override, gpu).backend
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -353,6 +320,34 @@ def _efficient(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return _FusedAttention.apply(query, key, value, bias, out, lse, seed, offset)
 
 
+def _matching_layout_zeros(query: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+    """``alloc_with_matching_layout`` (cudnn/MHA.cpp, and the meta kernel): the output takes the query's dimension
+    order; ``empty_like`` when the shapes agree (which keeps a strided view's permutation)."""
+    if tuple(query.shape) == tuple(shape):
+        return torch.zeros_like(query)
+    order = sorted(range(4), key=lambda i: query.stride(i))  # stable: ties keep the dimension order
+    strides, step = [0] * 4, 1
+    for i in order:
+        strides[i], step = step, step * shape[i]
+    return torch.zeros(math.prod(shape), dtype=query.dtype, device=query.device).as_strided(shape, strides)
+
+
+def _cudnn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``scaled_dot_product_attention``'s cuDNN branch (attention.cpp) with a stand-in kernel: a bool mask becomes
+    additive with -65504 (``convert_boolean_attn_mask_cudnn``, not padded, not expanded), which the node saves."""
+    bias = attn_mask
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=attn_mask.device)
+        bias = torch.where(attn_mask.logical_not(), -65504.0, zero)
+    b, h, length = query.shape[:3]
+    out = _matching_layout_zeros(query, (b, h, length, value.size(-1)))
+    lse = torch.zeros(b, h, length, 1, dtype=torch.float32, device=query.device)  # meta kernel: [B, H, L, 1]
+    seed = torch.empty((), dtype=torch.int64, device=query.device)
+    offset = torch.empty((), dtype=torch.int64, device=query.device)
+    return _FusedAttention.apply(query, key, value, bias, out, lse, seed, offset)
+
+
 def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor:
     """The math branch: PyTorch's own composite, whose ``at::dropout`` goes through rule 1."""
     mask = _additive_mask(attn_mask, query.dtype)
@@ -360,19 +355,27 @@ def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
                                                              scale=scale, enable_gqa=enable_gqa)[0]
 
 
-def _sdpa_kernel(override: str):
-    """A CompositeImplicitAutograd kernel for ``aten::scaled_dot_product_attention`` that runs what CUDA runs.
-    Autocast has cast the arguments already (its kernel sits above this one and excludes itself, as on CUDA)."""
+def _sdpa_kernel(override: str, gpu: GpuTarget, record: Optional[List[SdpaChoice]]):
+    """A CompositeImplicitAutograd kernel for ``aten::scaled_dot_product_attention`` that runs what ``gpu`` runs
+    (each decision appended to ``record``). Autocast has cast the arguments already (its kernel sits above this one
+    and excludes itself, as on CUDA)."""
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-        backend = choose_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, override)
-        if backend == "math":
+        choice = choose_sdpa(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, override, gpu)
+        if record is not None:
+            record.append(choice)
+        if choice.backend == "math":
             return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         unbatched = query.dim() == 3
         if unbatched:
             query, key, value = _as_4d(query, key, value)
             attn_mask = attn_mask if attn_mask is None or attn_mask.dim() > 3 else attn_mask.unsqueeze(0)
-        out = _flash(query, key, value) if backend == "flash" else _efficient(query, key, value, attn_mask)
+        if choice.backend == "flash":
+            out = _flash(query, key, value)
+        elif choice.backend == "cudnn":
+            out = _cudnn(query, key, value, attn_mask)
+        else:
+            out = _efficient(query, key, value, attn_mask)
         return out.squeeze(0) if unbatched else out
 
     return sdpa
@@ -483,7 +486,14 @@ def _registered(key: str) -> set:
 
 
 def _autocast_kernels(lower: torch.dtype) -> Dict[str, Any]:
-    """Autocast kernels implementing CUDA's policy, by op name."""
+    """Autocast kernels implementing CUDA's policy, by op name: the tables' entries that this torch registers for
+    AutocastCUDA (the lists change between releases: torch 2.14 casts ``rms_norm`` to float32, 2.11 does not), all
+    of them on a build without AutocastCUDA registrations."""
+    registered = _registered("AutocastCUDA")
+    return {name: kernel for name, kernel in _table_kernels(lower).items() if not registered or name in registered}
+
+
+def _table_kernels(lower: torch.dtype) -> Dict[str, Any]:
     kernels: Dict[str, Any] = {}
     fixed = {**{n: lower for n in _CUDA_LOWER}, **{n: torch.float32 for n in _CUDA_FP32}}
     for name, dtype in fixed.items():
@@ -522,16 +532,17 @@ def _register_autocast(lib: torch.library.Library, lower: torch.dtype) -> None:
 
 
 @contextlib.contextmanager
-def cuda_semantics(sdpa_backend: str = "auto", autocast_dtype: Optional[torch.dtype] = None) -> Iterator[None]:
+def cuda_semantics(sdpa_backend: str = "auto", autocast_dtype: Optional[torch.dtype] = None,
+                   gpu: Optional[GpuTarget] = None, record: Optional[List[SdpaChoice]] = None) -> Iterator[None]:
     """Within this context, CPU kernels save for backward what CUDA kernels would (see the module docstring).
 
     Keep it active over the forward *and* the backward of the trace. Everything is restored on exit, also when the
     body raises.
 
     Args:
-        sdpa_backend: ``"auto"`` runs, per attention call, the backend CUDA would pick; ``"flash"``,
-            ``"efficient"`` or ``"math"`` force one (a forced fused backend that cannot run a call raises
-            ``ValueError``).
+        sdpa_backend: ``"auto"`` runs, per attention call, the backend ``gpu`` would pick; ``"cudnn"``,
+            ``"flash"``, ``"efficient"`` or ``"math"`` force one (a forced fused backend that cannot run a call
+            raises ``ValueError``).
         autocast_dtype: the dtype of the ``torch.autocast("cpu", dtype=...)`` the trace runs under; CPU autocast
             then follows CUDA's op lists. ``None`` (no autocast) leaves autocast alone.
 
@@ -540,16 +551,39 @@ def cuda_semantics(sdpa_backend: str = "auto", autocast_dtype: Optional[torch.dt
     """
     _check_backend(sdpa_backend)
     lower = _check_autocast_dtype(autocast_dtype)
+    gpu = resolve_gpu() if gpu is None else gpu
+    # torch 2.11 refuses a second Python kernel for the same op and key, so a nested context takes the outer one's
+    # registrations down while it is active and puts them back when it exits (newer torch would stack them)
+    outer = _ACTIVE[-1] if _ACTIVE else None
+    if outer is not None:
+        outer["lib"]._destroy()
+    config = (sdpa_backend, lower, gpu, record)
+    state = {"config": config, "lib": _install(*config)}
+    _ACTIVE.append(state)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()["lib"]._destroy()
+        if outer is not None:
+            outer["lib"] = _install(*outer["config"])
+
+
+_ACTIVE: List[Dict[str, Any]] = []  # the open cuda_semantics contexts, innermost last
+
+
+def _install(sdpa_backend: str, lower: Optional[torch.dtype], gpu: GpuTarget,
+             record: Optional[List[SdpaChoice]]) -> torch.library.Library:
     lib = torch.library.Library("aten", "IMPL")
     try:
         lib.impl("dropout", _dropout, "CompositeImplicitAutograd")
-        lib.impl("scaled_dot_product_attention", _sdpa_kernel(sdpa_backend), "CompositeImplicitAutograd")
+        lib.impl("scaled_dot_product_attention", _sdpa_kernel(sdpa_backend, gpu, record), "CompositeImplicitAutograd")
         _register_rms_norm(lib)
         if lower is not None:
             _register_autocast(lib, lower)
-        yield
-    finally:
+    except BaseException:
         lib._destroy()
+        raise
+    return lib
 
 
 def _policy_names() -> Sequence[str]:

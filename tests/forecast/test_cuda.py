@@ -12,11 +12,17 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_ckpt.forecast import cuda
-from lightning_ckpt.forecast.cuda import SDPA_BACKENDS, choose_sdpa_backend, cuda_semantics
+from lightning_ckpt.forecast.cuda import SDPA_BACKENDS, choose_sdpa, choose_sdpa_backend, cuda_semantics
+from lightning_ckpt.forecast.sdpa import GpuTarget, SdpaCall, resolve_gpu, saved_bytes, saved_for_backward
 from lightning_ckpt.forecast.trace import cast_floating
 from lightning_ckpt.measure.tracker import LiveBytes, storage_key, storages
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# targets: an A100 runs flash first (the tables below were derived for it); an H100 with a recent cuDNN prefers
+# cuDNN attention; a T4 has neither flash nor bf16 efficient attention
+A100 = GpuTarget((8, 0), 92400, (2, 14), name="A100")
+H100 = GpuTarget((9, 0), 91900, (2, 11), name="H100")
+T4 = GpuTarget((7, 5), 91900, (2, 11), name="T4")
 # the tracker keys fake storages by identity after reading their (zero) data pointer, which PyTorch warns about
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 
@@ -107,13 +113,13 @@ def fake_cuda_available() -> bool:
 
 
 def test_unknown_backend_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match=r"--sdpa-backend='x'.*'auto', 'flash', 'efficient', 'math'"):
+    with pytest.raises(ValueError, match=r"--sdpa-backend='x'.*'auto', 'cudnn', 'flash', 'efficient', 'math'"):
         with cuda_semantics("x"):
             pass
     q, k, v = qkv((1, 1, 4, 8))
     with pytest.raises(ValueError, match=r"--sdpa-backend='fast'"):
         choose_sdpa_backend(q, k, v, override="fast")
-    assert SDPA_BACKENDS == ("auto", "flash", "efficient", "math")
+    assert SDPA_BACKENDS == ("auto", "cudnn", "flash", "efficient", "math")
 
 
 def test_autocast_dtype_must_be_a_cuda_autocast_dtype():
@@ -221,39 +227,72 @@ def _call_args(dtype, head_dim, lengths, mask, kv_heads):
 def test_backend_choice_follows_cuda_sdp_utils(label, dtype, head_dim, lengths, mask, dropout, causal, kv_heads, gqa,
                                                expected):
     q, k, v, attn_mask = _call_args(dtype, head_dim, lengths, mask, kv_heads)
-    assert choose_sdpa_backend(q, k, v, attn_mask, dropout, causal, gqa) == expected
+    assert choose_sdpa_backend(q, k, v, attn_mask, dropout, causal, gqa, gpu=A100) == expected
 
 
 def test_backend_choice_edge_cases():
     q, k, v = qkv((2, 4, 16, 64), grad=False)
-    assert choose_sdpa_backend(q[0], k[0], v[0]) == "flash"  # unbatched inputs get a batch of one
+    assert choose_sdpa_backend(q[0], k[0], v[0], gpu=A100) == "flash"  # unbatched inputs get a batch of one
     # efficient needs q, k, v storage offsets aligned to 8 half-precision elements (check_data_ptr_alignment)
     base = torch.randn(2 * 4 * 16 * 64 + 4, dtype=BF16)
     shifted = base[4:].view(2, 4, 16, 64)
-    assert choose_sdpa_backend(shifted, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool)) == "math"
+    assert choose_sdpa_backend(shifted, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool), gpu=A100) == "math"
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # fused kernels disabled by the user
-        assert choose_sdpa_backend(q, k, v) == "math"
+        assert choose_sdpa_backend(q, k, v, gpu=A100) == "math"
+        assert choose_sdpa_backend(q, k, v, gpu=H100) == "math"
+
+
+# the same bf16 causal training call [2, 4, 64, 64] on each target, and what PyTorch runs there
+TARGETS = [
+    ("H100, cuDNN 9.19, torch 2.11", H100, BF16, "cudnn"),
+    ("H100, cuDNN 9.10", GpuTarget((9, 0), 91002, (2, 11)), BF16, "flash"),
+    ("B200", GpuTarget((10, 0), 91900, (2, 11)), BF16, "cudnn"),
+    ("A100", GpuTarget((8, 0), 91900, (2, 11)), BF16, "flash"),
+    ("T4 bf16", T4, BF16, "math"),
+    ("T4 fp16", T4, FP16, "efficient"),
+]
+
+
+@pytest.mark.parametrize("label, gpu, dtype, expected", TARGETS, ids=[t[0] for t in TARGETS])
+def test_auto_runs_what_the_target_gpu_runs(label, gpu, dtype, expected):
+    q, k, v = qkv((2, 4, 64, 64), dtype=dtype)
+    choice = choose_sdpa(q, k, v, is_causal=True, gpu=gpu)
+    assert choice.backend == expected
+    assert choice.source.file.startswith("aten/src/ATen/native/transformers/")
+
+
+def test_default_target_is_resolved_with_its_assumptions(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    q, k, v = qkv((2, 4, 64, 64))
+    record = []
+    with cuda_semantics(record=record):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert [c.backend for c in record] == [choose_sdpa_backend(q, k, v, is_causal=True, gpu=resolve_gpu())]
+    assert record[0].order[0] == "cudnn"  # an assumed H100 with this machine's (recent) cuDNN
 
 
 def test_override_forces_a_backend_or_explains_why_not():
     q, k, v, mask = _call_args(BF16, 64, (16, 16), "bool", None)
-    assert choose_sdpa_backend(q, k, v, mask, override="efficient") == "efficient"
-    assert choose_sdpa_backend(q, k, v, override="efficient") == "efficient"  # flash could, but is overridden
-    assert choose_sdpa_backend(q, k, v, mask, override="math") == "math"
+    assert choose_sdpa_backend(q, k, v, mask, override="efficient", gpu=A100) == "efficient"
+    assert choose_sdpa_backend(q, k, v, override="efficient", gpu=A100) == "efficient"  # flash could, but is forced
+    assert choose_sdpa_backend(q, k, v, mask, override="math", gpu=A100) == "math"
+    assert choose_sdpa_backend(q, k, v, mask, override="cudnn", gpu=H100) == "cudnn"
     with pytest.raises(ValueError, match=r"--sdpa-backend='flash' cannot run .*attn_mask.*'auto'"):
-        choose_sdpa_backend(q, k, v, mask, override="flash")
+        choose_sdpa_backend(q, k, v, mask, override="flash", gpu=A100)
+    with pytest.raises(ValueError, match=r"--sdpa-backend='cudnn' cannot run .*T4 \(SM 7.5\).*SM 8.0 to 12.1"):
+        choose_sdpa_backend(q, k, v, override="cudnn", gpu=T4)
     q64, k64, v64, _ = _call_args(torch.float64, 64, (16, 16), None, None)
     with pytest.raises(ValueError, match=r"--sdpa-backend='efficient' cannot run .*float64"):
-        choose_sdpa_backend(q64, k64, v64, override="efficient")
-    with cuda_semantics("flash"), pytest.raises(ValueError, match="--sdpa-backend='flash'"):
+        choose_sdpa_backend(q64, k64, v64, override="efficient", gpu=A100)
+    with cuda_semantics("flash", gpu=A100), pytest.raises(ValueError, match="--sdpa-backend='flash'"):
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # raised from inside the dispatcher, unchanged
 
 
 # --- rule 2: what each backend saves ------------------------------------------------------------------------------
 
 
-def _saved_by_sdpa(backend, q, k, v, **kwargs):
-    with cuda_semantics(backend), Saved() as saved:
+def _saved_by_sdpa(backend, q, k, v, gpu=A100, **kwargs):
+    with cuda_semantics(backend, gpu=gpu), Saved() as saved:
         out = F.scaled_dot_product_attention(q, k, v, **kwargs)
     return out, saved
 
@@ -353,7 +392,7 @@ def test_gradients_have_the_inputs_shapes(backend, fake):
     with tensor_mode(fake):
         q, k, v = qkv((2, 4, 16, 32), kv_heads=2)
         bias = torch.zeros(2, 1, 16, 16, dtype=BF16, requires_grad=True) if backend == "efficient" else None
-        with cuda_semantics(backend):
+        with cuda_semantics(backend, gpu=A100):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.1, enable_gqa=True)
             out.float().pow(2).sum().backward()
     assert out.shape == q.shape
@@ -368,11 +407,75 @@ def test_fused_output_and_logsumexp_are_counted_as_new_storages():
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = qkv((2, 4, 16, 64))
         live = LiveBytes(torch.device("cpu"), gate=torch.is_grad_enabled)
-        with cuda_semantics(), live:
+        with cuda_semantics(gpu=A100), live:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert storage_key(out.untyped_storage()) in live.tracked
         # output (bf16), logsumexp (fp32), rng_state and unused (24 bytes); nothing else
         assert live.live == out.numel() * 2 + 2 * 4 * 16 * 4 + 24
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "bool-mask"])
+def test_cudnn_stand_in_saves_what_pytorchs_cudnn_op_saves(mask):
+    """PyTorch's own ``_scaled_dot_product_cudnn_attention`` on fake tensors (meta kernel, real autograd node), with
+    the bias attention.cpp passes it (convert_boolean_attn_mask_cudnn), against the stand-in."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = qkv((2, 4, 40, 64))
+        bool_mask = torch.ones(2, 1, 40, 40, dtype=torch.bool).tril() if mask else None
+        bias = None if bool_mask is None else torch.where(bool_mask.logical_not(), -65504.0,
+                                                          torch.scalar_tensor(0.0, dtype=BF16))
+        with Saved() as pytorch:
+            torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.1, not mask)
+        out, saved = _saved_by_sdpa("auto", q, k, v, gpu=H100, attn_mask=bool_mask, dropout_p=0.1,
+                                    is_causal=not mask)
+    assert sorted(saved.tensors, key=str) == sorted(pytorch.tensors, key=str)
+    assert ((2, 4, 40, 1), FP32, "cpu") in saved.tensors  # logsumexp [B, H, L, 1]
+    assert out.shape == q.shape
+
+
+def test_cudnn_output_takes_the_querys_layout():
+    """A query that is a transposed view of a [B, L, 3C] projection (Hugging Face GPT-2): the output keeps its
+    order, so the caller's ``transpose(1, 2).contiguous()`` copies nothing (alloc_with_matching_layout)."""
+    qkv_out = torch.randn(2, 40, 3 * 64, dtype=BF16, requires_grad=True)
+    q, k, v = (t.view(2, 40, 4, 16).transpose(1, 2) for t in qkv_out.split(64, dim=2))
+    with cuda_semantics(gpu=H100):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.transpose(1, 2).is_contiguous()
+    out.float().sum().backward()
+
+
+SAVED_CASES = [("cudnn", H100, True), ("flash", A100, False), ("efficient", A100, True), ("math", T4, False)]
+
+
+@pytest.mark.parametrize("backend, gpu, mask", SAVED_CASES, ids=[c[0] for c in SAVED_CASES])
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_saved_bytes_per_backend_match_the_trace(backend, gpu, mask, dropout):
+    """The per-backend saved-bytes forecast (:func:`saved_bytes`, what the numbers route adds) equals what the
+    trace saves for the call, each backend reached by the rule on its target GPU."""
+    b, h, length, d = 2, 4, 40, 64
+    q, k, v = qkv((b, h, length, d))
+    attn_mask = torch.ones(length, length, dtype=torch.bool).tril() if mask else None
+    choice = choose_sdpa(q, k, v, attn_mask, dropout, not mask, gpu=gpu)
+    assert choice.backend == backend
+    _, saved = _saved_by_sdpa("auto", q, k, v, gpu=gpu, attn_mask=attn_mask, dropout_p=dropout, is_causal=not mask)
+    call = SdpaCall.from_tensors(q, k, v, attn_mask, dropout, not mask)
+    assert saved.nbytes == saved_bytes(backend, call)
+    big = sorted(t.nbytes for t in saved_for_backward(backend, call) if t.nbytes > 64)
+    assert big == sorted(n for n, _, _ in saved.bases.values() if n > 64)  # tensor by tensor, RNG scalars aside
+
+
+def test_pre_ampere_bf16_saves_the_full_score_matrix():
+    """bf16 on a T4 (SM 7.5): no flash, no bf16 efficient kernel, so the math kernel runs and autograd keeps the
+    float32 B·H·L·S probabilities; on an A100 the same call saves no [L, S] tensor at all."""
+    b, h, length, d = 2, 4, 64, 32
+    q, k, v = qkv((b, h, length, d))
+    _, t4 = _saved_by_sdpa("auto", q, k, v, gpu=T4, is_causal=True, dropout_p=0.1)
+    _, a100 = _saved_by_sdpa("auto", q, k, v, gpu=A100, is_causal=True, dropout_p=0.1)
+    scores = [t for t in t4.tensors if t[0] == (b, h, length, length)]
+    assert ((b, h, length, length), FP32, "cpu") in scores and ((b, h, length, length), torch.bool, "cpu") in scores
+    assert not [t for t in a100.tensors if t[0][-2:] == (length, length)]
+    call = SdpaCall.from_tensors(q, k, v, None, 0.1, True)
+    assert t4.nbytes == saved_bytes("math", call) and a100.nbytes == saved_bytes("flash", call)
+    assert t4.nbytes - a100.nbytes > b * h * length * length * (4 + 1 + 4)
 
 
 def test_real_fused_outputs_are_placeholder_zeros():
@@ -602,6 +705,13 @@ def _layer_bytes_by_hand(attention: str, e: int, cache: bool) -> int:
             # Hugging Face's bool mask [B, 1, T, T] made additive in the activation dtype (a new tensor; its
             # strides are multiples of 8, so no padding), expanded to [B, H, T, T]: the base counts
             attn += B * T * T * e
+    elif attention in ("cudnn", "cudnn+mask"):
+        # the kernel saves q (its base qkv counts whole), k, v, the output in the query's layout ([B, T, H, D]
+        # here: empty_like keeps the split view's order, so transpose(1, 2).contiguous() is free), logsumexp
+        # [B, H, T, 1] float32, philox seed and offset (int64 scalars)
+        attn = qkv + kv_copies + N * C * e + B * HEADS * T * 4 + 8 + 8
+        if attention == "cudnn+mask":
+            attn += B * T * T * e  # the bool mask [B, 1, T, T] made additive (-65504 / 0), not expanded
     elif attention == "flash":
         # as efficient, with logsumexp [B, H, T] unpadded, rng_state uint64 [2] and unused uint64 []
         attn = qkv + kv_copies + N * C * e + B * HEADS * T * 4 + 16 + 8
@@ -619,7 +729,7 @@ def _layer_bytes_by_hand(attention: str, e: int, cache: bool) -> int:
     return layer_norm + c_attn + attn + resid_dropout + layer_norm + mlp + mlp_dropout
 
 
-def _traced_layer(implementation: str, dtype, backend: str, cache: bool, context: bool = True) -> int:
+def _traced_layer(implementation: str, dtype, backend: str, cache: bool, context: bool = True, gpu=A100) -> int:
     """Bytes of the storages first saved inside the (only) GPT-2 block during a fake training step."""
     import transformers
 
@@ -638,7 +748,7 @@ def _traced_layer(implementation: str, dtype, backend: str, cache: bool, context
         block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
         saved = Saved(exclude=list(model.parameters()))
         saved.inside = lambda: inside[0]
-        semantics = cuda_semantics(backend) if context else contextlib.nullcontext()
+        semantics = cuda_semantics(backend, gpu=gpu) if context else contextlib.nullcontext()
         with semantics:
             with saved:
                 loss = model(ids, labels=ids, use_cache=cache).loss
@@ -660,14 +770,20 @@ E2E = [
     ("sdpa", BF16, "efficient", True, "efficient"),
     ("sdpa", FP32, "math", False, "math"),
     ("sdpa", BF16, "math", False, "math"),
+    ("sdpa", BF16, "auto", True, "cudnn", H100),  # torch 2.11 on an H100 takes dropout 0.1 to cuDNN
+    ("sdpa", BF16, "auto", False, "cudnn+mask", H100),
+    ("sdpa", FP32, "auto", False, "efficient+mask", H100),  # cuDNN attention is 16-bit only
+    ("sdpa", BF16, "auto", True, "math", T4),  # bf16 before SM 8.0: the math kernel, the score matrix saved
 ]
+E2E = [row if len(row) == 6 else (*row, A100) for row in E2E]
 
 
-@pytest.mark.parametrize("implementation, dtype, backend, cache, attention", E2E,
-                         ids=[f"{i}-{str(d)[6:]}-{b}-{'cache' if c else 'nocache'}" for i, d, b, c, _ in E2E])
-def test_gpt2_layer_saves_what_the_hand_derivation_says(implementation, dtype, backend, cache, attention):
+@pytest.mark.parametrize("implementation, dtype, backend, cache, attention, gpu", E2E,
+                         ids=[f"{i}-{str(d)[6:]}-{b}-{'cache' if c else 'nocache'}-{g.name}"
+                              for i, d, b, c, _, g in E2E])
+def test_gpt2_layer_saves_what_the_hand_derivation_says(implementation, dtype, backend, cache, attention, gpu):
     e = torch.finfo(dtype).bits // 8
-    assert _traced_layer(implementation, dtype, backend, cache) == _layer_bytes_by_hand(attention, e, cache)
+    assert _traced_layer(implementation, dtype, backend, cache, gpu=gpu) == _layer_bytes_by_hand(attention, e, cache)
 
 
 def test_gpt2_layer_differs_without_the_context():
@@ -694,7 +810,86 @@ def test_plan_device_cuda_adds_a_layer_of_the_hand_derived_bytes(precision, back
         args = dict(n_layer=n_layer, n_embd=C, n_head=HEADS, n_positions=T, vocab_size=96, dropout=0.1,
                     attn_implementation="sdpa", activation_function="gelu")
         return forecast_model("lightning_ckpt.demos.factories:gpt2_config", args, micro_batch=B, seq_len=T,
-                              policies=["none"], precision=precision, device="cuda", sdpa_backend=backend)
+                              policies=["none"], precision=precision, device="cuda", sdpa_backend=backend, gpu=A100)
 
     one_more = plan(3).activations["none"] - plan(2).activations["none"]
     assert one_more == _layer_bytes_by_hand(attention, 2 if precision == "bf16-true" else 4, cache=False)
+
+
+# --- on the real GPU: the rule against what PyTorch selects ---------------------------------------------------------
+
+_FUSED_OPS = {"_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_flash_attention": "flash",
+              "_scaled_dot_product_efficient_attention": "efficient"}
+
+
+def _ran(fn):
+    """The SDPA backend that ran inside ``fn``: the fused aten op a TorchDispatchMode sees, or math (which
+    decomposes into bmm/softmax) when none of them ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        out = fn()
+    fused = [_FUSED_OPS[n] for n in seen.names if n in _FUSED_OPS]
+    return (fused[0] if fused else "math"), out
+
+
+def _sdpa_inputs(device, dtype, head_dim, mask, b=2, h=8, length=256):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, length, head_dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    elif mask == "float":
+        attn_mask = torch.zeros(b, 1, length, length, dtype=dtype, device=device)
+    return q, k, v, attn_mask
+
+
+GPU_CASES = [  # (dtype, head dim, mask, dropout, is_causal)
+    (BF16, 64, None, 0.0, True),
+    (BF16, 128, "bool", 0.0, False),
+    (FP16, 64, None, 0.1, True),     # 2.11: cuDNN takes any dropout; 2.14: only multiples of 1/16
+    (BF16, 64, None, 0.125, True),
+    (BF16, 256, None, 0.0, True),    # cuDNN's head-dim limit on SM 9.0
+    (BF16, 96, "float", 0.0, False),
+    (FP32, 64, None, 0.0, True),     # cuDNN and flash are 16-bit only
+    (FP32, 6, None, 0.1, False),     # efficient needs multiples of 4 in fp32: the math kernel
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim, mask, dropout, causal", GPU_CASES,
+                         ids=[f"{str(c[0])[6:]}-d{c[1]}-{c[2]}-p{c[3]}-{'causal' if c[4] else 'full'}"
+                              for c in GPU_CASES])
+def test_real_cuda_runs_the_backend_the_rule_picks_and_saves_the_forecast_bytes(dtype, head_dim, mask, dropout,
+                                                                                 causal):
+    """On this GPU (its SM, the cuDNN torch loads, this torch's rules): the aten op PyTorch runs is the rule's
+    choice, and the bytes autograd saves (unique storages, every device) are the CPU trace's under
+    ``cuda_semantics`` for the same target, within the RNG scalars' 64 bytes."""
+    gpu = resolve_gpu()
+    q, k, v, attn_mask = _sdpa_inputs("cuda", dtype, head_dim, mask)
+    expected = choose_sdpa(q, k, v, attn_mask, dropout, causal, gpu=gpu)
+    real: dict = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.nbytes():
+            real[(t.device, st.data_ptr())] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ran, out = _ran(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout,
+                                                               is_causal=causal))
+    out.float().sum().backward()  # the chosen backend's backward runs too
+    assert ran == expected.backend, f"PyTorch ran {ran} on {gpu.describe()}; the rule said:\n{expected.explain()}"
+    cq, ck, cv, cmask = _sdpa_inputs("cpu", dtype, head_dim, mask)
+    _, forecast = _saved_by_sdpa("auto", cq, ck, cv, gpu=gpu, attn_mask=cmask, dropout_p=dropout, is_causal=causal)
+    assert abs(sum(real.values()) - forecast.nbytes) <= 64, (ran, sum(real.values()), forecast.nbytes)
