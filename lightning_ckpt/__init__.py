@@ -22,8 +22,6 @@ import sys
 import warnings
 from typing import Any
 
-from lightning_ckpt._deprecation import install_module_aliases
-
 __version__ = "0.1.0"
 
 _PUBLIC = {
@@ -46,25 +44,6 @@ _PUBLIC = {
     "remove_checkpointing": "lightning_ckpt.core.wrap",
 }
 
-# names of lightning_ckpt 0.1's top level: importable until 0.2, with a DeprecationWarning
-_DEPRECATED = {
-    "Controller": "lightning_ckpt.decide.controller:Controller",
-    "GRAMMAR": "lightning_ckpt.core.policy:GRAMMAR",
-    "LedgerInputs": "lightning_ckpt.forecast.numbers:ForecastInputs",
-    "MODES": "lightning_ckpt.core.policy:MODES",
-    "Policy": "lightning_ckpt.core.policy:Policy",
-    "build_ledger": "lightning_ckpt.measure.ledger:build_ledger",
-    "count_tokens": "lightning_ckpt.measure.tokens:count_tokens",
-    "format_bytes": "lightning_ckpt.core.units:format_bytes",
-    "parse_size": "lightning_ckpt.core.units:parse_size",
-    "plan_budget": "lightning_ckpt.decide.budget:plan_budget",
-    "plan_from_numbers": "lightning_ckpt.forecast.numbers:forecast_from_numbers",
-    "plan_model": "lightning_ckpt.forecast.trace:forecast_model",
-    "preflight": "lightning_ckpt.decide.safety:preflight",
-    "register_strategies": "lightning_ckpt.lightning.strategy:register_strategies",
-    "verify_equivalence": "lightning_ckpt.decide.verify:verify_equivalence",
-}
-
 __all__ = sorted(_PUBLIC)
 
 
@@ -73,11 +52,6 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value
         return value
-    if name in _DEPRECATED:
-        where, _, new = _DEPRECATED[name].partition(":")
-        warnings.warn(f"lightning_ckpt.{name} is deprecated and will be removed in lightning_ckpt 0.2; use "
-                      f"{where}.{new}.", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(where), new)
     raise AttributeError(f"module 'lightning_ckpt' has no attribute {name!r}")
 
 
@@ -133,4 +107,3 @@ if getattr(sys.modules.get("lightning.pytorch"), "Trainer", None) is not None:
 elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterWhenLightningLoads())
 
-install_module_aliases()

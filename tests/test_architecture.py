@@ -23,7 +23,7 @@ def _rank(module: str) -> int:
     part = module.split(".")[1] if module.count(".") >= 1 else ""
     if part in LAYERS:
         return LAYERS.index(part)
-    return SIDE.get(part, -1)  # lightning_ckpt itself, _deprecation: infrastructure
+    return SIDE.get(part, -1)  # lightning_ckpt itself: infrastructure
 
 
 def _imports(path: Path):
@@ -46,7 +46,7 @@ def test_every_module_lives_in_a_layer_and_imports_only_downwards():
     offenders = []
     for name, path in _modules():
         rank = _rank(name)
-        if name in ("lightning_ckpt", "lightning_ckpt.__main__", "lightning_ckpt._deprecation"):
+        if name in ("lightning_ckpt", "lightning_ckpt.__main__"):
             continue
         assert rank >= 0, f"{name} is in no layer: put it in one of {LAYERS} (or cli/demos)"
         for imported in _imports(path):
@@ -142,34 +142,23 @@ def test_every_module_declares_a_sorted_all():
     assert not missing, missing
 
 
-@pytest.mark.parametrize("old, new", [
-    ("plan_model", "forecast_model"),
-    ("plan_from_numbers", "forecast_from_numbers"),
-    ("Controller", "Controller"),
-    ("count_tokens", "count_tokens"),
-])
-def test_old_top_level_names_still_import_with_a_deprecation_warning(old, new):
-    with pytest.warns(DeprecationWarning, match=rf"lightning_ckpt\.{old} is deprecated.*{new}"):
-        obj = getattr(lightning_ckpt, old)
-    assert obj.__name__ == new
+@pytest.mark.parametrize("old", ["plan_model", "plan_from_numbers", "Controller", "count_tokens", "LedgerInputs"])
+def test_no_layer_for_names_that_never_shipped(old):
+    """0.1 is the first release: the public API is ``__all__``, with no deprecated aliases of earlier drafts."""
+    assert old not in dir(lightning_ckpt)
+    with pytest.raises(AttributeError):
+        getattr(lightning_ckpt, old)
 
 
-def test_old_module_paths_still_import_with_a_deprecation_warning():
+def test_no_module_aliases_for_paths_that_never_shipped():
     code = """
-import warnings
-warnings.simplefilter("error", DeprecationWarning)
-try:
-    import lightning_ckpt.wrap
-except DeprecationWarning as w:
-    assert "lightning_ckpt.core.wrap" in str(w), w
-else:
-    raise AssertionError("no warning")
-warnings.simplefilter("ignore", DeprecationWarning)
-from lightning_ckpt.trace import plan_model, llama_7b_config
-from lightning_ckpt.forecast.trace import forecast_model
-from lightning_ckpt.core.wrap import apply_policy
-import lightning_ckpt.wrap as old
-assert plan_model is forecast_model and old.apply_policy is apply_policy
+import importlib.util
+import lightning_ckpt
+for old in ("lightning_ckpt.wrap", "lightning_ckpt.trace", "lightning_ckpt.callback", "lightning_ckpt.planner"):
+    assert importlib.util.find_spec(old) is None, old
+from lightning_ckpt.forecast import numbers, trace
+for module, old in ((numbers, "plan_from_numbers"), (trace, "plan_model")):
+    assert not hasattr(module, old), old
 print("ok")
 """
     proc = _run(code)

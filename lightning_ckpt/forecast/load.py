@@ -146,7 +146,8 @@ def _is_hf_config(obj: Any) -> bool:
 def build_model(target: Any, kwargs: Optional[Dict[str, Any]] = None, *, arg: str = "--model") -> nn.Module:
     """Instantiate ``target`` (see the module docstring for what it may be); ``ValueError`` when it cannot.
 
-    Call it under ``FakeTensorMode`` (as :func:`plan_model` does) to build without allocating.
+    Call it under ``FakeTensorMode`` (as :func:`~lightning_ckpt.forecast.trace.forecast_model` does) to build without
+    allocating.
     """
     kwargs = dict(kwargs or {})
     label = target if isinstance(target, str) else getattr(target, "__qualname__", repr(target))

@@ -3,7 +3,11 @@
 Model state (exact given the dtypes): parameters, gradients, optimizer moments, an optional master copy.
 Activations (an estimate): one hidden-width tensor is ``micro_batch × seq_len × hidden × act_bytes``; a block
 keeps ``tensors_per_block`` of them when not checkpointed (A) and one (its input, B) when checkpointed; eager
-attention adds ``5·a·s²·b`` bytes per block (Korthikanti et al. 2022). Per policy:
+attention adds ``5·a·s²·b`` bytes per block (Korthikanti et al. 2022). A fused attention call that PyTorch runs
+with the math kernel on the target GPU (``attention_backend="math"``, e.g. bf16 before SM 8.0: the rule is
+:func:`lightning_ckpt.forecast.sdpa.select_backend`) adds, per block, what the math kernel saves beyond a fused
+kernel: the float32 B·H·L·S probabilities (with dropout also its mask and the dropped copy) and float32 q, k, v,
+instead of the fused kernel's q, k, v and logsumexp (:func:`math_attention_extra`). Per policy:
 
 ======================  ============================================================
 ``none``                L·A
@@ -24,8 +28,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from lightning_ckpt._deprecation import renamed
+import torch
+
 from lightning_ckpt.core.policy import EveryPolicy, GroupPolicy, parse_policy
+from lightning_ckpt.forecast.sdpa import BACKENDS, SdpaCall, saved_bytes, saved_for_backward
 
 __all__ = [
     "DTYPE_BYTES",
@@ -33,8 +39,10 @@ __all__ = [
     "PHASE_LINES",
     "ForecastInputs",
     "LedgerForecast",
+    "attention_call",
     "crossing_line",
     "forecast_from_numbers",
+    "math_attention_extra",
     "optimizer_temporaries",
     "phase_crossing",
 ]
@@ -74,6 +82,8 @@ class ForecastInputs:
     capacity: Optional[int] = None
     policies: Tuple[str, ...] = DEFAULT_POLICIES
     foreach: bool = False
+    attention_backend: Optional[str] = None
+    attn_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("params", "layers", "hidden", "micro_batch", "seq_len", "heads", "tensors_per_block"):
@@ -84,6 +94,10 @@ class ForecastInputs:
             raise ValueError(f"--optimizer={self.optimizer!r} is not known; choose one of {sorted(OPTIMIZER_MOMENTS)}.")
         if self.attention not in ("fused", "eager"):
             raise ValueError(f"--attention={self.attention!r}: choose 'fused' or 'eager'.")
+        if self.attention_backend not in (None, *BACKENDS):
+            raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of {list(BACKENDS)} or None.")
+        if not (isinstance(self.attn_dropout, (int, float)) and 0 <= self.attn_dropout < 1):
+            raise ValueError(f"--attn-dropout={self.attn_dropout!r} must be a probability in [0, 1).")
         for arg in ("param_dtype", "grad_dtype", "moment_dtype", "master_dtype", "act_dtype"):
             _dtype_bytes(getattr(self, arg), "--" + arg.replace("_", "-"))
         for policy in self.policies:
@@ -146,6 +160,8 @@ def forecast_from_numbers(inputs: ForecastInputs) -> LedgerForecast:
     interior = round(inputs.tensors_per_block * hidden_tensor)
     if inputs.attention == "eager":
         interior += 5 * inputs.heads * inputs.seq_len**2 * inputs.micro_batch
+    elif inputs.attention_backend == "math":
+        interior += math_attention_extra(inputs)
     activations = {p: _policy_activations(p, inputs.layers, hidden_tensor, interior) for p in inputs.policies}
     temporaries = optimizer_temporaries(n, inputs.optimizer, inputs.moment_dtype, inputs.foreach)
     phases = {p: {"forward": model_state + a, "backward": model_state + a, "optimizer": model_state + temporaries}
@@ -156,6 +172,32 @@ def forecast_from_numbers(inputs: ForecastInputs) -> LedgerForecast:
                                  phases[p], inputs.capacity) for p in inputs.policies}
     return LedgerForecast(params, grads, optimizer, master, model_state, hidden_tensor, inputs.layers * hidden_tensor,
                           interior, activations, peak, inputs.capacity, fits, crosses, asdict(inputs), phases)
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64,
+                 "float64": torch.float64}
+
+
+def attention_call(inputs: ForecastInputs) -> SdpaCall:
+    """The attention call of one block the numbers describe: causal self-attention, no mask, head dim
+    ``hidden // heads``, in the activation dtype, with ``attn_dropout``."""
+    dtype = _TORCH_DTYPES.get(inputs.act_dtype.lower())
+    if dtype is None:
+        raise ValueError(f"--act-dtype={inputs.act_dtype!r} is not a dtype attention runs in with --sm; choose one "
+                         f"of {sorted(_TORCH_DTYPES)}.")
+    return SdpaCall(dtype=dtype, head_dim=max(1, int(inputs.hidden) // int(inputs.heads)),
+                    batch=int(inputs.micro_batch), heads=int(inputs.heads), q_len=int(inputs.seq_len),
+                    dropout=float(inputs.attn_dropout), is_causal=True)
+
+
+def math_attention_extra(inputs: ForecastInputs) -> int:
+    """Bytes per block the math kernel saves beyond a fused kernel for :func:`attention_call`: the math kernel's
+    list minus flash's q, k, v, logsumexp and RNG state (flash's output is the output projection's saved input,
+    which the math path's projection saves as well)."""
+    call = attention_call(inputs)
+    fused = sum(t.nbytes for t in saved_for_backward("flash", call) if t.name != "output")
+    return saved_bytes("math", call) - fused
 
 
 def optimizer_temporaries(params: float, optimizer: str, moment_dtype: str, foreach: bool) -> int:
@@ -207,9 +249,3 @@ def crossing_line(params, grads, optimizer, master, activations, capacity, copie
             return name
     return None
 
-
-__getattr__ = renamed(__name__, {
-    "LedgerInputs": f"{__name__}:ForecastInputs",
-    "LedgerPlan": f"{__name__}:LedgerForecast",
-    "plan_from_numbers": f"{__name__}:forecast_from_numbers",
-})

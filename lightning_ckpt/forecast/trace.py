@@ -52,7 +52,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt._deprecation import renamed
 from lightning_ckpt.core.policy import parse_policy
 from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing
 from lightning_ckpt.forecast.load import TORCH_OPTIMIZERS, build_model, lightning_step, make_batch, make_optimizers
@@ -141,6 +140,8 @@ def forecast_model(
     device: str = "cpu",
     sdpa_backend: str = "auto",
     foreach: Optional[bool] = None,
+    gpu: Any = None,
+    sdpa_log: Optional[list] = None,
 ) -> ModelForecast:
     """Forecast the ledger of ``target`` per policy without allocating it (see the module docstring).
 
@@ -165,6 +166,10 @@ def forecast_model(
         sdpa_backend: with ``device="cuda"``: ``"auto"`` (the backend PyTorch would pick), ``"flash"``,
             ``"efficient"`` or ``"math"``.
         foreach: the optimizer's multi-tensor step (``None``: torch's default on ``device``, on for CUDA).
+        gpu: with ``device="cuda"``: the :class:`~lightning_ckpt.forecast.sdpa.GpuTarget` whose attention backend
+            to reproduce (``None``: :func:`~lightning_ckpt.forecast.sdpa.resolve_gpu`'s default).
+        sdpa_log: a list that receives each traced attention call's
+            :class:`~lightning_ckpt.forecast.sdpa.SdpaChoice`.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -219,7 +224,7 @@ def forecast_model(
     interiors: Dict[str, int] = {}
     phases: Dict[str, Dict[str, int]] = {}
     times: Dict[str, float] = {}
-    semantics = _semantics(device, sdpa_backend, mode)
+    semantics = _semantics(device, sdpa_backend, mode, gpu, sdpa_log)
     try:
         opts = make_optimizers(model, optimizer, foreach=_default_foreach(device, foreach))
         with warnings.catch_warnings(), fake, semantics():
@@ -262,7 +267,7 @@ def forecast_model(
     inputs = dict(model=label, init_args=dict(init_args or {}), micro_batch=micro_batch, seq_len=seq_len,
                   policies=list(policies), param_dtype=param_dtype, optimizer=optimizer, master_dtype=master_dtype,
                   capacity=capacity, vocab_size=vocab_size, precision=mode.name, device=device,
-                  sdpa_backend=sdpa_backend, foreach=foreach)
+                  sdpa_backend=sdpa_backend, foreach=foreach, gpu=None if gpu is None else gpu.describe())
     return ModelForecast(
         params=params, grads=grads, optimizer=opt_bytes, master=master, model_state=total,
         hidden_tensor=boundary["bytes"], boundary_all=boundary["bytes"] * num_blocks, block_interior=block_interior,
@@ -301,7 +306,8 @@ def _default_foreach(device: str, foreach: Optional[bool]) -> Optional[bool]:
     return foreach
 
 
-def _semantics(device: str, sdpa_backend: str, precision: Precision) -> Callable[[], ContextManager]:
+def _semantics(device: str, sdpa_backend: str, precision: Precision, gpu: Any = None,
+               sdpa_log: Optional[list] = None) -> Callable[[], ContextManager]:
     """What the trace runs under so that autograd saves what ``device`` would save."""
     if device == "cpu":
         return _hf_masks_as_on_real_tensors
@@ -309,7 +315,7 @@ def _semantics(device: str, sdpa_backend: str, precision: Precision) -> Callable
 
     @contextlib.contextmanager
     def semantics() -> Iterator[None]:
-        with _hf_masks_as_on_real_tensors(), cuda_semantics(sdpa_backend, precision.autocast_dtype):
+        with _hf_masks_as_on_real_tensors(), cuda_semantics(sdpa_backend, precision.autocast_dtype, gpu, sdpa_log):
             yield
 
     return semantics
@@ -329,13 +335,3 @@ def _trace_step(model: nn.Module, batch: Any, label: str, policy: str, precision
         raise ValueError(f"--model={label!r} could not be traced on fake tensors under policy {policy!r}: "
                          f"{type(err).__name__}: {first} — forecast it from numbers (--params ...) instead.") from None
 
-
-__getattr__ = renamed(__name__, {
-    "plan_model": f"{__name__}:forecast_model",
-    "ModelPlan": f"{__name__}:ModelForecast",
-    **{name: f"lightning_ckpt.demos.factories:{name}" for name in ("benchmark_gpt", "tiny_gpt", "gpt2_config",
-                                                                   "llama_7b_config")},
-    **{name: f"lightning_ckpt.forecast.load:{name}" for name in ("import_object", "load_init_args", "build_model",
-                                                                 "make_batch", "step_loss", "optimizers_from",
-                                                                 "make_optimizers")},
-})
