@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _torch_features import needs_compiler_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "policies.py"
@@ -75,6 +76,7 @@ def test_frontier_quick_json(tmp_path):
         assert row["fits"] and row["peak"] <= row["budget"] and row["verdict"] in ("PASS", "TIE", "MISS"), row
 
 
+@needs_compiler_budget
 @pytest.mark.timeout(400)
 def test_frontier_compiled_rows_at_block_grain(tmp_path):
     """``--compile block``: our plan comes from the calibration run on the per-block compiled model (modes priced on
@@ -99,6 +101,7 @@ def test_frontier_compiled_rows_at_block_grain(tmp_path):
         assert row["verdict"].split()[0] in ("PASS", "TIE", "MISS"), row
 
 
+@needs_compiler_budget
 @pytest.mark.timeout(400)
 def test_frontier_compiled_rows_for_a_whole_model_compile_split_by_compile_blocks(tmp_path):
     """``--compile split``: the compiler's budget runs the user's whole-model graph, our plan the same model split

@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from _torch_features import needs_compiler_budget
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -180,6 +181,7 @@ def _saved_bytes(model, run) -> int:
     return sum(seen.values())
 
 
+@needs_compiler_budget
 def test_the_compilers_budget_per_block_keeps_less_and_matches_eager(reference):
     """``compiler:<f>`` blocks compiled one by one: the partitioner keeps less as ``f`` falls (``0`` keeps what a full
     recompute keeps), gradients equal the eager un-checkpointed model; run eagerly the mode is ``off``."""
@@ -203,6 +205,7 @@ def test_the_compilers_budget_per_block_keeps_less_and_matches_eager(reference):
     assert _saved_bytes(eager, eager) == off
 
 
+@needs_compiler_budget
 def test_the_compilers_budget_per_block_is_refused_by_pytorch_inside_one_whole_model_graph(reference):
     """PyTorch takes one budget per graph, covering all of it: a block's annotation inside a whole-model graph fails
     at the first compile (the callback refuses the combination before training)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _torch_features import needs_compiler_budget
 
 from lightning_ckpt.cli.main import main
 from lightning_ckpt.forecast.profile.frontier import frontier, frontier_table, parse_budgets
@@ -66,6 +67,7 @@ def test_an_anchor_must_be_a_fixed_mode(tmp_path, capsys):
     assert "--anchors: 'budget:1MiB' is not a fixed mode" in capsys.readouterr().err
 
 
+@needs_compiler_budget
 @pytest.mark.timeout(300)
 def test_with_blocks_compiled_the_compilers_budget_per_block_joins_the_modes(tmp_path):
     """``--compile-blocks``: every block its own graph; the modes are priced compiled and ``compiler:<f>`` is

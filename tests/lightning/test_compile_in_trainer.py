@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _lightning_models import CompiledGPT, GraphCount, trainer_kwargs
+from _torch_features import needs_compiler_budget
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
@@ -105,6 +106,7 @@ def test_the_cpp_backend_trains_with_a_changing_plan(tmp_path, backend):
     assert cb.last_metrics["memory/activations_gib"] > 0
 
 
+@needs_compiler_budget
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("precision, accumulate", [("32-true", 1), ("bf16-mixed", 2)])
 def test_budget_mixes_the_compilers_per_block_budgets_when_blocks_compile_one_by_one(tmp_path, monkeypatch, precision,
@@ -157,6 +159,7 @@ def test_budget_mixes_the_compilers_per_block_budgets_when_blocks_compile_one_by
             torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@needs_compiler_budget
 def test_the_compilers_per_block_budget_is_refused_in_a_whole_model_graph_and_warned_about_eagerly(tmp_path):
     model = _model(GraphCount())
     cb = ActivationCheckpointing(policy="modes:off,compiler:0.5")
