@@ -369,6 +369,187 @@ def _old_list_selective_diff(gpt, idx, plain, autocast) -> float:
     return _max_diff(plain, grads)
 
 
+def _offload_step(model, idx):
+    """Forward and backward under the math attention kernel (the fused kernels' backward may accumulate with atomics,
+    which is not bitwise repeatable), from a fixed RNG state; returns the gradients."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    with sdpa_kernel(SDPBackend.MATH):
+        _, loss = model(idx, idx)
+        loss.backward()
+    if idx.is_cuda:
+        torch.cuda.synchronize()
+    return _grads(model)
+
+
+def _copy_overlap(ctx: Context, model, idx) -> Dict[str, Any]:
+    """From a profiler trace of one step: the device-to-host copies' streams, the kernels' streams, and the share of
+    the copies' time that overlaps a kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _offload_step(model, idx)
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")]
+    kernels = sorted((k["ts"], k["ts"] + k["dur"]) for k in events if _is_kernel(k))
+    overlapped = total = 0.0
+    for c in copies:
+        start, end = c["ts"], c["ts"] + c["dur"]
+        total += end - start
+        overlapped += sum(max(0.0, min(end, b) - max(start, a)) for a, b in kernels if a < end and b > start)
+    return {"copies": len(copies), "copy_streams": sorted({str(c["args"].get("stream")) for c in copies}),
+            "kernel_streams": sorted({str(e["args"].get("stream")) for e in events if _is_kernel(e)}),
+            "overlap": overlapped / total if total else 0.0}
+
+
+def _is_kernel(event: Dict[str, Any]) -> bool:
+    return event.get("cat") == "kernel"
+
+
+@part("core", 90)
+def part_offload(ctx: Context) -> None:
+    """``offload``: gradients equal to ``off``, a lower ``max_memory_allocated``, no parameter moved, copies on a side
+    stream overlapping compute, pinned memory bounded over 20 steps and released."""
+    from lightning_ckpt import apply_policy
+    from lightning_ckpt.core.offload import CudaTransfers, Transfers, configure_offload
+
+    model = _gpt(ctx, n_layer=6, n_embd=1024, n_head=16, block_size=1024, vocab_size=8192)
+    idx = _tokens(ctx, model, 8, 1024)
+    plan = apply_policy(model, "none")
+    _offload_step(model, idx)
+    _reset_peak(ctx)
+    off = _offload_step(model, idx)
+    peak_off = _peak(ctx)
+
+    base = CudaTransfers if ctx.cuda else Transfers
+
+    class Recording(base):
+        def __init__(self) -> None:
+            super().__init__()
+            if not ctx.cuda:  # the CPU smoke run: CPU tensors play the device's
+                self.is_device = lambda t: True
+            self.sources: set = set()
+
+        def copy_out(self, src, host):
+            self.sources.add(src.untyped_storage().data_ptr())
+            super().copy_out(src, host)
+
+    plan.retarget("offload")
+    transfers = Recording()
+    state = configure_offload(plan, transfers=transfers)
+    _offload_step(model, idx)  # the arena is allocated in the first offloaded step
+    _reset_peak(ctx)
+    offloaded = _offload_step(model, idx)
+    peak_offload = _peak(ctx)
+    params = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    ctx.check("offload gradients bitwise equal to off", _bitwise(off, offloaded), max_abs_diff=_max_diff(off,
+                                                                                                           offloaded))
+    ctx.check("offload moves no parameter or view of one", not transfers.sources & params,
+              storages_moved=len(transfers.sources), kept=dict(state.kept), bytes_out_mib=state.bytes_out / MiB)
+    if ctx.cuda:
+        saved = peak_off - peak_offload
+        ctx.check("offload lowers max_memory_allocated", saved >= state.bytes_out // 2 // 4, off_mib=peak_off / MiB,
+                  offload_mib=peak_offload / MiB, moved_per_step_mib=state.bytes_out / 2 / MiB)
+        overlap = _copy_overlap(ctx, model, idx)
+        ctx.check("offload copies on a side stream, overlapping compute",
+                  overlap["copies"] > 0 and not set(overlap["copy_streams"]) & set(overlap["kernel_streams"]),
+                  **overlap)
+    per_step = state.bytes_out // 2
+    limit = max(per_step // 2, 1)
+    state = configure_offload(plan, pinned_limit=limit, transfers=Recording())
+    pinned = []
+    for _ in range(20 if ctx.cuda else 3):
+        _offload_step(model, idx)
+        pinned.append(state.pinned_bytes)
+    ctx.check("offload pinned memory bounded over the steps", max(pinned) <= limit and len(set(pinned)) == 1,
+              limit_mib=limit / MiB, pinned_mib=sorted({p / MiB for p in pinned}),
+              pageable_mib=state.pageable_bytes / MiB)
+    plan.retarget("all")
+    ctx.check("offload pinned memory released when the plan leaves offload", state.pinned_bytes == 0,
+              pinned_after=state.pinned_bytes)
+
+
+_FUSED_OPS = {"_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_flash_attention": "flash",
+              "_scaled_dot_product_efficient_attention": "efficient"}
+
+
+def _sdpa_run(ctx: Context, case, gpu, forecast: bool):
+    """One SDPA call (forward and backward) on the part's device, or on the CPU under the planner's CUDA semantics
+    for ``gpu`` (``forecast``): returns the rule's backend for these very tensors, the backend that ran and the bytes
+    autograd saved (unique storages)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_ckpt.forecast.cuda import choose_sdpa, cuda_semantics
+
+    dtype, head_dim, mask, dropout, causal = case
+    device = "cpu" if forecast else ctx.device
+    torch.manual_seed(0)
+    b, h, length = 2, 8, 256
+    q, k, v = (torch.randn(b, h, length, head_dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    elif mask == "float":
+        attn_mask = torch.zeros(b, 1, length, length, dtype=dtype, device=device)
+    rule = choose_sdpa(q, k, v, attn_mask, dropout, causal, gpu=gpu).backend
+    saved: Dict[Any, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.nbytes():
+            saved[(t.device, st.data_ptr() or id(st))] = st.nbytes()
+        return t
+
+    class Seen(TorchDispatchMode):
+        names: List[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    semantics = cuda_semantics("auto", gpu=gpu) if forecast else contextlib.nullcontext()
+    with semantics, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Seen() as seen:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
+    if not forecast:
+        out.float().sum().backward()
+    fused = [_FUSED_OPS[n] for n in seen.names if n in _FUSED_OPS]
+    return rule, (fused[0] if fused else "math"), sum(saved.values())
+
+
+@part("core", 60)
+def part_attention(ctx: Context) -> None:
+    """The planner's attention backend (PyTorch's selection order for this GPU, cuDNN and torch) and its saved bytes
+    against what real CUDA SDPA runs and saves."""
+    import torch
+
+    from lightning_ckpt.forecast.sdpa import resolve_gpu
+
+    gpu = resolve_gpu() if ctx.cuda else resolve_gpu("H100")
+    ctx.note(f"target: {gpu.describe()}")
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    cases = [(bf16, 64, None, 0.0, True), (bf16, 128, "bool", 0.0, False), (fp16, 64, None, 0.1, True),
+             (bf16, 64, None, 0.125, True), (bf16, 256, None, 0.0, True), (bf16, 96, "float", 0.0, False),
+             (fp32, 64, None, 0.0, True), (fp32, 6, None, 0.1, False)]
+    for case in cases:
+        dtype, head_dim, mask, dropout, causal = case
+        label = f"{str(dtype).removeprefix('torch.')} d{head_dim} mask={mask} p={dropout} causal={causal}"
+        rule, _, forecast_bytes = _sdpa_run(ctx, case, gpu, forecast=True)
+        if not ctx.cuda:
+            ctx.check(f"attention {label}: the rule decides and the forecast counts", forecast_bytes > 0,
+                      rule=rule, forecast_bytes=forecast_bytes)
+            continue
+        rule, ran, real_bytes = _sdpa_run(ctx, case, gpu, forecast=False)
+        ctx.check(f"attention {label}", ran == rule and abs(real_bytes - forecast_bytes) <= 64, rule=rule, ran=ran,
+                  saved_bytes=real_bytes, forecast_bytes=forecast_bytes)
+
+
 def _plain_loop_peaks(ctx: Context, model, opt, idx, meter=None) -> Dict[str, Any]:
     """One training step in Lightning's order (forward, zero_grad, backward, optimizer step). Without ``meter``,
     each phase's peak is read from torch's counters with a synchronize and a reset at every boundary; with it, the
