@@ -198,7 +198,8 @@ def verify_equivalence(
         raise EquivalenceError(
             "lightning_ckpt verify: a checkpointed block differs from its plain run on the same inputs and RNG "
             "state — it is not replay-safe (it reads mutable Python state, draws a data-dependent shape, or uses "
-            "randomness outside torch's RNG). See README 'Replay safety'.\n" + report.table()
+            "randomness outside torch's RNG). See the docs' Diagnosis page, 'Replay safety' (docs/diagnosis.md).\n"
+            + report.table()
         )
     return report
 

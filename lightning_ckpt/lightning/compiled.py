@@ -4,7 +4,7 @@ switch from the first to the second (``compile_blocks=True``).
 Why the switch exists. One compiled graph around every block (``torch.compile(model)`` in ``configure_model``, or
 ``trainer.fit(torch.compile(model))``) has one backward graph for the whole model, and inductor's lowering of it
 keeps buffers longer than eager autograd does: a checkpointed model holds 17-26 % more activation memory than
-eager at the same plan on the CPU (README, Compile and mixed precision), the plan's figures are verified on eager
+eager at the same plan on the CPU (docs/compile-precision.md), the plan's figures are verified on eager
 reference steps and so read low, and PyTorch's activation memory budget is one fraction for the whole graph. A
 graph break at each block boundary does not help: dynamo cannot resume after a break inside the model's loop over
 its blocks and runs that whole frame eagerly. Compiling each block as its own graph (``block.compile()``, the

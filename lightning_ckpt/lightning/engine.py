@@ -63,8 +63,8 @@ _STATE_KEYS = frozenset({"version", "policy", "plan_policy", "names", "modes", "
 WHOLE_MODEL_COMPILE_BUDGET = (
     "lightning_ckpt: policy {spec!r} with the whole model under torch.compile: the plan is verified on eager "
     "reference steps, and one compiled graph around every block holds more activation memory than eager at the same "
-    "plan (measured for 'all': +3 % to +24 % on the demo GPT, +26 % on a Hugging Face Llama; README, Compile and "
-    "mixed precision), so the budget can be exceeded by that much. Pass compile_blocks=True (or compile block by "
+    "plan (measured for 'all': +3 % to +24 % on the demo GPT, +26 % on a Hugging Face Llama; docs/compile-precision.md"
+    "), so the budget can be exceeded by that much. Pass compile_blocks=True (or compile block by "
     "block yourself: block.compile()) to keep the budget's figures true and let it choose the compiler's budget per "
     "block, or leave the choice to the compiler: policy='none' and "
     "torch._functorch.config.activation_memory_budget = <fraction>, lowered until the run fits.")

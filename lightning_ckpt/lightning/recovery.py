@@ -156,8 +156,8 @@ class StepGuard:
             f"lightning_ckpt: checkpointed block {self.replaying!r} computed something different when it was "
             "replayed in backward (determinism_check): a checkpointed region must be close to a pure function — "
             "no data-dependent shapes, no reads of mutable Python state, no randomness outside torch's RNG. "
-            "Keep that block un-checkpointed (blocks= or policy='blocks:...'), make it pure, or see README "
-            f"'Diagnosis' (replay safety). Original error: {err}"
+            "Keep that block un-checkpointed (blocks= or policy='blocks:...'), make it pure, or see the docs' "
+            f"Diagnosis page, 'Replay safety' (docs/diagnosis.md). Original error: {err}"
         )
 
     # ------------------------------------------------------------------------------------------ the step
