@@ -549,7 +549,9 @@ class SyncCounter(Callback):
         import json
 
         with open(f"{self.folder}/rank{trainer.global_rank}.json", "w") as fh:
-            json.dump([[step, logging, deciding, calls] for step, logging, deciding, _, calls in self.rows], fh)
+            json.dump({"rows": [[step, logging, deciding, calls] for step, logging, deciding, _, calls in self.rows],
+                       "plan": self.engine_of(trainer).plan.spec,
+                       "checkpointed": self.engine_of(trainer).plan.num_checkpointed}, fh)
 
 
 def _engine_of(trainer):
@@ -561,14 +563,18 @@ def _engine_of(trainer):
 def test_steps_that_neither_log_nor_decide_make_no_sync_and_no_collective(tmp_path):
     import json
 
-    cb = ActivationCheckpointing(policy="none", auto_threshold="1GiB", decide_every_n_steps=3)
+    # a checkpointing plan (every:2, a rung of the default ladder) that the auto-toggle keeps: 1 GiB is never crossed
+    # and no rung below is tried within the cooldown
+    cb = ActivationCheckpointing(policy="every:2", auto_threshold="1GiB", decide_every_n_steps=3)
     counter = SyncCounter(_engine_of, str(tmp_path))
     trainer = Trainer(callbacks=[counter, cb, CleanDistributedExit()],
                       **trainer_kwargs(tmp_path, strategy="ddp_spawn", devices=2, max_steps=10, log_every_n_steps=4,
                                        limit_val_batches=0, num_sanity_val_steps=0))
     trainer.fit(TinyTransformer(batch_size=4))
     for rank in (0, 1):
-        rows = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["plan"] == "every:2" and seen["checkpointed"] > 0, seen  # the quiet steps did checkpoint
+        rows = seen["rows"]
         quiet = [r for r in rows if not r[1] and not r[2]]
         busy = [r for r in rows if r[1] or r[2]]
         assert len(quiet) >= 4 and len(busy) >= 3, rows
@@ -577,24 +583,61 @@ def test_steps_that_neither_log_nor_decide_make_no_sync_and_no_collective(tmp_pa
 
 
 class SyncDebugOnQuietSteps(Callback):
-    """``torch.cuda.set_sync_debug_mode("error")`` while lightning_ckpt handles a step that neither logs nor decides."""
+    """Runs lightning_ckpt's own code of every quiet step (one the engine says neither logs nor decides) under
+    ``torch.cuda.set_sync_debug_mode("error")``: its batch hooks, its backward and optimizer-step hooks and the
+    checkpointed blocks' forwards (and with them their replays). Lightning's own code between them is not ours to
+    judge. Put it after the callback."""
+
+    def __init__(self, cb: ActivationCheckpointing) -> None:
+        self.engine, self.quiet_steps = cb._engine, 0
+
+    def _quiet(self) -> bool:
+        return not (self.engine._logging or self.engine._deciding)
+
+    def _guard(self, fn, quiet):
+        def run(*args, **kwargs):
+            if not quiet():
+                return fn(*args, **kwargs)
+            before = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(before)
+
+        return run
+
+    def on_train_start(self, trainer, pl_module):
+        engine = self.engine
+        # batch_start decides the kind of its step: ask the engine first (a pure read) whether it will be quiet
+        engine.batch_start = self._guard(engine.batch_start, lambda: not any(engine._step_kind(trainer)))
+        for name in ("before_backward", "before_optimizer_step", "batch_end"):
+            setattr(engine, name, self._guard(getattr(engine, name), self._quiet))
+        for block in engine.plan.blocks:
+            # the call (checkpoint's set-up included) through the block's hooks; the body and its replays in backward
+            # through the forward object's run (what checkpoint calls)
+            block.register_forward_pre_hook(lambda *_: self._strict(True))
+            block.register_forward_hook(lambda *_: self._strict(False), always_call=True)
+            fwd = block.__dict__["forward"]
+            fwd.run = self._guard(fwd.run, self._quiet)
+
+    def _strict(self, on: bool) -> None:
+        if self._quiet():
+            torch.cuda.set_sync_debug_mode("error" if on else "default")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        engine = _engine_of(trainer)
-        quiet = trainer.global_step % 2 == 1  # log_every_n_steps=2 and decide_every_n_steps=2 below
-        torch.cuda.set_sync_debug_mode("error" if quiet else "default")
-        self.quiet = quiet
-        assert engine is not None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        torch.cuda.set_sync_debug_mode("default")
+        self.quiet_steps += self._quiet()
 
 
 @pytest.mark.gpu
 def test_quiet_steps_never_synchronize_the_device(tmp_path):
-    cb = ActivationCheckpointing(policy="none", auto_threshold="64GiB", decide_every_n_steps=2)
-    trainer = Trainer(callbacks=[SyncDebugOnQuietSteps(), cb],
-                      **trainer_kwargs(tmp_path, accelerator="cuda", max_steps=6, log_every_n_steps=2,
+    """A checkpointing plan; logging every 4th step and deciding every 3rd, so that steps 1, 2, 5, 6 and 9 are
+    quiet: the plugin's code on them must not synchronize the device (a sync there raises)."""
+    cb = ActivationCheckpointing(policy="every:2", auto_threshold="64GiB", decide_every_n_steps=3)
+    quiet = SyncDebugOnQuietSteps(cb)
+    trainer = Trainer(callbacks=[cb, quiet],
+                      **trainer_kwargs(tmp_path, accelerator="cuda", max_steps=10, log_every_n_steps=4,
                                        limit_val_batches=0, num_sanity_val_steps=0))
     trainer.fit(TinyTransformer(batch_size=4, optimizer="sgd"))
+    assert cb.plan.num_checkpointed > 0 and quiet.quiet_steps >= 4
     assert cb.last_metrics["memory/peak_allocated_gib"] > 0
