@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_ckpt.core.offload import release_host_memory
 from lightning_ckpt.core.policy import MODES, Policy, compiler_budget_unavailable, compiler_modes, parse_policy
 from lightning_ckpt.core.replay import register_replay_hook
-from lightning_ckpt.core.units import GiB
+from lightning_ckpt.core.units import GiB, format_bytes
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
 from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration
 from lightning_ckpt.decide.controller import Controller, resolve_threshold
@@ -98,6 +98,7 @@ class CheckpointingEngine:
         self._applied_in_run = False
         self._verified = False
         self._warned_no_logger = False
+        self._warned_infeasible = False
         self._handles: list = []  # forward pre-hook, replay hook
         self._logging = self._deciding = False
         self._by_length: Dict[int, float] = {}  # sequence length -> activation bytes per sample (report)
@@ -369,6 +370,20 @@ class CheckpointingEngine:
             for message in self.calibration.messages:
                 self.info(message)
             self.calibration.messages.clear()
+            self._warn_if_infeasible()
+
+    def _warn_if_infeasible(self) -> None:
+        """A budget no plan meets is a warning (rank zero, once) naming the smallest feasible budget."""
+        chosen = self.calibration.chosen
+        if chosen is None or chosen.fits or self._warned_infeasible:
+            return
+        self._warned_infeasible = True
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(f"lightning_ckpt: raise the budget to at least {format_bytes(chosen.smallest_budget)} (or "
+                       f"shorten the sequence or the micro-batch): no plan meets {self.settings.budget.spec!r}, so the "
+                       "run uses the plan with the lowest predicted activation peak, "
+                       f"{format_bytes(chosen.predicted_peak)}.")
 
     def _as_compiled(self, result: StepResult) -> StepResult:
         """The step's figures with the ``compiler:<f>`` blocks' measured savings taken off the activation line. Its
@@ -425,6 +440,15 @@ class CheckpointingEngine:
 
     # ------------------------------------------------------------------------------------------ the end
     def fit_end(self, trainer: "pl.Trainer") -> None:
+        calibration = self.calibration
+        if calibration is not None and calibration.calibrating and trainer.is_global_zero:
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(
+                f"lightning_ckpt: train at least {len(calibration.stages) + 1} steps for "
+                f"{self.settings.budget.spec!r} to choose its plan, or pass a fixed policy: the run ended after "
+                f"{calibration.stage} of its "
+                f"{len(calibration.stages)} calibration steps, on a calibration plan ({self.plan.spec!r}).")
         if self.settings.report and self.last_result is not None and self.last_result.ledger is not None:
             text = self.report(trainer)  # every rank: trainer.log_dir is a collective under DDP
             if trainer.is_global_zero:

@@ -34,6 +34,9 @@ def test_frontier_command_writes_its_files_and_every_plan_fits_its_budget(tmp_pa
         assert p["fits"] and p["activations"] <= p["budget"] and p["step_s"] > 0
         assert set(p["modes"]) <= {"off", "selective", "recompute"}  # no offload on the CPU
     assert data["plans"][-1]["modes"] == ["off"] * 4  # at none's peak nothing needs replaying
+    # the picture says how loaded the machine was while it timed (before and after), for the reader to judge
+    load = data["settings"]["load_average"]
+    assert len(load) == 2 and all(avg is None or len(avg) == 3 for avg in load)
 
 
 @pytest.mark.parametrize("value, words", [

@@ -233,12 +233,15 @@ def frontier(
              for budget in levels]
 
     points = [p for p in plans + anchor_points if p.refused is None]
+    load_start = _load_average()
     _time_interleaved(plan, runner, points, rounds)
+    load = (load_start, _load_average())
     plan.retarget("none")
     report = FrontierReport(model=label, device=str(dev), plans=plans, anchors=anchor_points, smallest_budget=floor,
                             settings=dict(micro_batch=micro_batch, seq_len=seq_len, budgets=levels, rounds=rounds,
                                           precision=mode.name, anchors={a: specs[a] for a in specs},
                                           modes=solver_modes[1:], base=base, seed=seed, compile_blocks=compile_blocks,
+                                          load_average=load,  # (1, 5, 15 min) before and after the timing
                                           block_seconds=calibration.block_seconds,
                                           compiled_kept=calibration.compiled_kept))
     outdir = os.fspath(out)
@@ -349,6 +352,15 @@ def _time_interleaved(plan, runner: _Runner, points: List[FrontierPoint], rounds
             p.step_range = (min(samples[k]), max(samples[k]))
 
 
+def _load_average() -> Optional[Tuple[float, float, float]]:
+    """The machine's load average (1, 5, 15 minutes), or ``None`` where the platform has none: times measured on a
+    loaded machine say so."""
+    try:
+        return tuple(round(x, 2) for x in os.getloadavg())
+    except (AttributeError, OSError):
+        return None
+
+
 def frontier_table(report: FrontierReport) -> str:
     """Per budget: the plan's mix, measured peak, time, and the fastest fixed mode that fits, with the ratio."""
     rows = [f"frontier of {report.model} on {report.device} ({report.settings['precision']}, micro-batch "
@@ -380,20 +392,31 @@ def save_frontier_plot(report: FrontierReport, path: str) -> str:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
     ours = sorted((p for p in report.plans if p.refused is None), key=lambda p: p.activations)
-    ax.plot([p.activations / MiB for p in ours], [p.step_s * 1e3 for p in ours], marker="o", color="tab:blue",
-            label="lightning_ckpt budget plan")
-    for a in report.anchors:
-        ax.scatter([a.activations / MiB], [a.step_s * 1e3], marker="s", color="tab:red", zorder=3)
+
+    def bars(points):  # each point's range over the interleaved rounds, around its median
+        return [[(p.step_s - p.step_range[0]) * 1e3 for p in points], [(p.step_range[1] - p.step_s) * 1e3
+                                                                          for p in points]]
+
+    ax.errorbar([p.activations / MiB for p in ours], [p.step_s * 1e3 for p in ours], yerr=bars(ours), marker="o",
+                color="tab:blue", capsize=3, label="lightning_ckpt budget plan")
+    anchors = list(report.anchors)
+    ax.errorbar([a.activations / MiB for a in anchors], [a.step_s * 1e3 for a in anchors], yerr=bars(anchors),
+                fmt="s", color="tab:red", capsize=3, zorder=3, label="fixed modes (anchors)")
+    for a in anchors:
         ax.annotate(a.label, (a.activations / MiB, a.step_s * 1e3), textcoords="offset points", xytext=(4, 4),
                     fontsize=8)
-    ax.set(xlabel="activation peak (MiB)", ylabel="step time (ms, median of rounds)")
+    ax.set(xlabel="activation peak (MiB)", ylabel="step time (ms): median, bar = range over the rounds")
     ax.set_title(f"memory / time frontier: {report.model.split(':')[-1].split('.')[-1]} "
                  f"({report.settings['precision']}, {report.device})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    load = report.settings.get("load_average")
+    shown = " → ".join("/".join(f"{x:.2f}" for x in avg) for avg in load if avg) if load else "not available"
+    fig.text(0.01, 0.01, f"{report.settings['rounds']} interleaved rounds; load average (1/5/15 min) during the "
+                         f"timing: {shown}", fontsize=7, color="0.3")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
