@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Optional
 
 from lightning_ckpt.core.policy import parse_policy_list
-from lightning_ckpt.core.units import GiB, MiB, format_bytes, parse_size
+from lightning_ckpt.core.units import format_bytes, parse_size, unit_for
 from lightning_ckpt.forecast.load import load_init_args
 from lightning_ckpt.forecast.numbers import (
     DEFAULT_POLICIES,
@@ -200,7 +200,7 @@ def _run_plan_model(args) -> int:
             data["attention"] = attention
         print(json.dumps(data, indent=2))
         return 0
-    print(f"model {forecast.model}: {forecast.num_params / 1e9:.3f} B parameters, {forecast.blocks} blocks of "
+    print(f"model {forecast.model}: {_count(forecast.num_params)} parameters, {forecast.blocks} blocks of "
           f"{forecast.block_class}, "
           f"micro-batch {args.micro_batch} × {args.seq_len} tokens, precision {forecast.precision}, device "
           f"{forecast.device} ({_device_note(forecast)}); traced on fake tensors in "
@@ -216,6 +216,14 @@ def _run_plan_model(args) -> int:
         for note in attention["assumptions"]:
             print(f"  assumption: {note}")
     return 0
+
+
+def _count(n: float) -> str:
+    """A parameter count in the unit that fits: ``'1.30 B'``, ``'124.4 M'``, ``'52.2 K'``, ``'800'``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "B" else f"{n / scale:.1f} {unit}"
+    return f"{int(n)}"
 
 
 def _attention_summary(gpu, choices) -> Optional[dict]:
@@ -237,30 +245,35 @@ def _device_note(forecast) -> str:
 
 def _table(forecast: LedgerForecast) -> str:
     """The ledger table; works for :class:`~lightning_ckpt.forecast.numbers.LedgerForecast` and
-    :class:`~lightning_ckpt.forecast.trace.ModelForecast` alike."""
+    :class:`~lightning_ckpt.forecast.trace.ModelForecast` alike. Each of its two tables prints in one unit, the one
+    that fits its largest value (named in its header); sentences name each size in its own."""
     cap = forecast.capacity
-    rows = [f"{'line':<22}{'GiB':>10}{'% of capacity':>16}" if cap else f"{'line':<22}{'GiB':>10}"]
-    for name, size in forecast.lines() + [("model state", forecast.model_state)]:
-        rows.append(f"{name:<22}{size / GiB:>10.2f}" + (f"{size / cap:>16.1%}" if cap else ""))
-    rows.append(f"one hidden-width tensor: {forecast.hidden_tensor / MiB:.0f} MiB; boundaries with every block "
-                f"checkpointed: {forecast.boundary_all / MiB:.0f} MiB; one block's interior: "
-                f"{forecast.block_interior / MiB:.0f} MiB")
+    lines = forecast.lines() + [("model state", forecast.model_state)]
+    unit, scale = unit_for(max(size for _, size in lines))
+    rows = [f"{'line':<22}{unit:>10}{'% of capacity':>16}" if cap else f"{'line':<22}{unit:>10}"]
+    for name, size in lines:
+        rows.append(f"{name:<22}{size / scale:>10.2f}" + (f"{size / cap:>16.1%}" if cap else ""))
+    rows.append(f"one hidden-width tensor: {format_bytes(forecast.hidden_tensor)}; boundaries with every block "
+                f"checkpointed: {format_bytes(forecast.boundary_all)}; one block's interior: "
+                f"{format_bytes(forecast.block_interior)}")
     copies = getattr(forecast, "autocast_copies", {})
     with_copies = any(copies.values())
+    sizes = [*forecast.activations.values(), *(v for p in forecast.phase_peaks.values() for v in p.values())]
+    unit, scale = unit_for(max([*sizes, *copies.values()], default=0))
     rows.append(f"{'policy':<14}{'activations':>12}" + (f"{'copies':>9}" if with_copies else "")
-                + f"{'forward':>10}{'backward':>10}{'optimizer':>10}  verdict (GiB; the highest phase decides)")
+                + f"{'forward':>10}{'backward':>10}{'optimizer':>10}  verdict ({unit}; the highest phase decides)")
     for policy, act in forecast.activations.items():
         phases = forecast.phase_peaks[policy]
         top = forecast.peak_phase[policy]
         verdict = f"peak in {top}; capacity unknown (pass --capacity)"
         if cap:
             crossing = forecast.crosses[policy]
-            verdict = (f"fits, {(cap - forecast.peak[policy]) / GiB:.2f} GiB to spare at the {top} peak"
+            verdict = (f"fits, {format_bytes(cap - forecast.peak[policy])} to spare at the {top} peak"
                        if crossing is None else
-                       f"does not fit: the {crossing} line crosses {cap / GiB:.0f} GiB in the {top} phase")
-        extra = f"{copies[policy] / GiB:>9.2f}" if with_copies else ""
-        cells = "".join(f"{phases[name] / GiB:>10.2f}" for name in ("forward", "backward", "optimizer"))
-        rows.append(f"{policy:<14}{act / GiB:>12.2f}{extra}{cells}  {verdict}")
+                       f"does not fit: the {crossing} line crosses {format_bytes(cap)} in the {top} phase")
+        extra = f"{copies[policy] / scale:>9.2f}" if with_copies else ""
+        cells = "".join(f"{phases[name] / scale:>10.2f}" for name in ("forward", "backward", "optimizer"))
+        rows.append(f"{policy:<14}{act / scale:>12.2f}{extra}{cells}  {verdict}")
     return "\n".join(rows)
 
 

@@ -214,7 +214,12 @@ class FirstPolicy(Policy):
         return f"first:{self.k}"
 
     def layout(self, num_blocks: int) -> Layout:
-        return _uniform(num_blocks, "recompute", range(min(self.k, num_blocks)))
+        if self.k > num_blocks:  # refused like blocks: beyond the model, rather than silently meaning 'all'
+            raise ValueError(
+                f"policy {self.spec!r} asks for the first {self.k} blocks but the model has {num_blocks} blocks; "
+                f"pass 'first:{num_blocks}' or fewer (or 'all')."
+            )
+        return _uniform(num_blocks, "recompute", range(self.k))
 
 
 @dataclass(frozen=True)
@@ -325,15 +330,27 @@ class BudgetPolicy(Policy):
     the static :meth:`layout`.
     """
 
-    budget: Union[int, float] = 0.8
+    budget: Union[int, float, str] = 0.8
     name: ClassVar[str] = "budget"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", parse_size_or_fraction(self.budget, name="budget"))
+        text = self.budget.strip() if isinstance(self.budget, str) else self.budget
+        try:
+            parsed = parse_size_or_fraction(text, name="budget")
+        except ValueError:  # one wording for every bad value: '-1GiB', '0', '0.0', '1.5', '18XB'
+            raise ValueError(
+                f"budget={text!r} is not a budget: pass a positive size such as '18GiB' or '512MiB' (units B, KiB, "
+                "MiB, GiB, TiB, KB, MB, GB, TB) or a fraction of capacity in (0, 1] such as 0.8."
+            ) from None
+        object.__setattr__(self, "budget", parsed)  # bytes (int) or a fraction (float), for computing
+        # the user's own units, for spec and messages; '18 GiB' prints '18GiB' (one word on a command line)
+        object.__setattr__(self, "_text", "".join(str(text).split()))
 
     @property
     def spec(self) -> str:
-        return f"budget:{self.budget}"
+        """``budget:`` and the value as the user wrote it (``budget:1MiB``, not ``budget:1048576``); it parses back
+        to an equal policy (equality and hash compare the parsed bytes or fraction)."""
+        return f"budget:{self._text}"
 
     def layout(self, num_blocks: int) -> Layout:
         raise ValueError(

@@ -1,26 +1,30 @@
-"""Byte sizes: parse ``"18GiB"`` / ``"512MiB"`` / ``0.8`` and print bytes as GiB.
+"""Byte sizes: parse ``"18GiB"`` / ``"512MiB"`` / ``0.8``; print bytes in the unit that fits.
 
-Bytes are ``int`` everywhere inside the package; they become GiB (1024³) only when logged or printed.
+Bytes are ``int`` everywhere inside the package. Metrics (TensorBoard, the ``*_gib`` keys) are GiB (1024³); printed
+text uses the binary unit that fits: :func:`format_bytes` for one size in a sentence, :func:`unit_for` for a table
+(one unit for the whole table, chosen from its largest value and named in its header).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Union
+from typing import Tuple, Union
 
-__all__ = ["GiB", "KiB", "MiB", "format_bytes", "parse_size", "parse_size_or_fraction", "to_gib"]
+__all__ = ["GiB", "KiB", "MiB", "format_bytes", "parse_size", "parse_size_or_fraction", "to_gib", "unit_for"]
 
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
+TiB = 1024**4
+_BINARY = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
 
 _UNITS = {
     "b": 1,
     "kib": KiB,
     "mib": MiB,
     "gib": GiB,
-    "tib": 1024**4,
+    "tib": TiB,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,
@@ -95,10 +99,22 @@ def to_gib(num_bytes: int) -> float:
     return num_bytes / GiB
 
 
-def format_bytes(num_bytes: int) -> str:
-    """Human-readable binary size, e.g. ``'2.42 GiB'``, ``'16.0 MiB'``."""
-    size = float(num_bytes)
-    for unit, scale in (("TiB", 1024**4), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(size) >= scale:
-            return f"{size / scale:.2f} {unit}" if unit in ("TiB", "GiB") else f"{size / scale:.1f} {unit}"
-    return f"{int(size)} B"
+def unit_for(num_bytes: float) -> Tuple[str, int]:
+    """The binary unit that fits ``num_bytes``: ``(name, scale)``, e.g. ``("MiB", 1048576)``; ``("B", 1)`` below 1 KiB.
+
+    A table passes its largest value and prints every value divided by ``scale``, naming the unit in its header, so
+    a small model's table reads ``params 300.00`` under ``KiB`` rather than ``0.000`` under ``GiB``.
+    """
+    size = abs(float(num_bytes))
+    for unit, scale in _BINARY:
+        if size >= scale:
+            return unit, scale
+    return "B", 1
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human-readable binary size in the unit that fits, e.g. ``'2.42 GiB'``, ``'16.0 MiB'``, ``'512 B'``."""
+    unit, scale = unit_for(num_bytes)
+    if scale == 1:
+        return f"{int(num_bytes)} B"
+    return f"{num_bytes / scale:.2f} {unit}" if unit in ("TiB", "GiB") else f"{num_bytes / scale:.1f} {unit}"

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -514,9 +515,25 @@ def _refuse_foreign_checkpointing(model: nn.Module) -> None:
             )
         if getattr(module, "gradient_checkpointing", False) is True:
             raise ForeignCheckpointingError(
-                f"{label!r} has Hugging Face gradient checkpointing enabled; call "
-                "model.gradient_checkpointing_disable() first and let lightning_ckpt choose the boundaries."
+                f"{label!r} has Hugging Face gradient checkpointing enabled; call {_hf_checkpointing_off(model)} "
+                "first and let lightning_ckpt choose the boundaries."
             )
+
+
+# the installed transformers' own switch, newest first: 5.24 renamed gradient_checkpointing_disable (now deprecated,
+# "removed in v6") to activation_checkpointing_disable; 5.17 has only the old name
+_HF_DISABLE = ("activation_checkpointing_disable", "gradient_checkpointing_disable")
+
+
+def _hf_checkpointing_off(model: nn.Module) -> str:
+    """The call that switches Hugging Face's checkpointing off, named as the installed transformers spells it, on
+    the outermost module that has it (``model.backbone.activation_checkpointing_disable()`` for a wrapped model)."""
+    for name, module in model.named_modules():
+        method = next((m for m in _HF_DISABLE if callable(getattr(module, m, None))), None)
+        if method is not None:
+            return f"{'.'.join(('model', name)) if name else 'model'}.{method}()"
+    flagged = next(name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True)
+    return f"{'.'.join(('model', flagged)) if flagged else 'model'}.gradient_checkpointing = False"
 
 
 def _composable_registry(module: nn.Module) -> Dict[str, Any]:
@@ -527,24 +544,61 @@ def _composable_registry(module: nn.Module) -> Dict[str, Any]:
     return _get_registry(module) or {}
 
 
+def _has_generation_cache(module: nn.Module, config: Any) -> bool:
+    """Whether ``module``'s forward builds a key/value cache when ``config.use_cache`` is on.
+
+    Encoder-decoders and decoder-only families do (``is_encoder_decoder``, or no ``is_decoder`` switch at all: GPT-2,
+    Llama, their base models too); families that switch between the two (BERT, RoBERTa: ``config.is_decoder``) only
+    as decoders: a masked LM carries ``use_cache=True`` and never builds a cache. ``can_generate()`` settles it for a
+    model with ``generate()``.
+    """
+    if getattr(config, "is_encoder_decoder", False) is True:
+        return True
+    can_generate = getattr(module, "can_generate", None)
+    if callable(can_generate) and can_generate():
+        return True
+    return getattr(config, "is_decoder", True) is True
+
+
+# frames of these packages are not the user's: a warning points at the first frame outside them
+_LIBRARY_PACKAGES = ("lightning_ckpt", "torch", "lightning", "pytorch_lightning")
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the caller that points at the user's own line: the first frame
+    outside this package, torch and Lightning (``apply_policy(...)``, ``plan.retarget(...)`` or ``trainer.fit(...)``).
+    """
+    import sys
+
+    roots = tuple(os.path.dirname(mod.__file__) + os.sep for mod in map(sys.modules.get, _LIBRARY_PACKAGES)
+                  if mod is not None and getattr(mod, "__file__", None))
+    frame, level = sys._getframe(1), 1  # level 1: the caller's own warnings.warn line
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(roots):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _disable_hf_cache(model: nn.Module) -> List[Any]:
-    """Hugging Face KV caching is incompatible with checkpointed training: switch it off, warn once.
+    """A Hugging Face key/value cache built inside a checkpointed block is rebuilt on replay: switch it off where the
+    model has one (:func:`_has_generation_cache`), warn once, at the user's call.
 
     Returns the configs changed (each once), so that removing the plan can switch the cache back on.
     """
     changed, configs = [], []
     for module in model.modules():
         config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False) is True:
+        if getattr(config, "use_cache", False) is True and _has_generation_cache(module, config):
             config.use_cache = False
             changed.append(type(module).__name__)
             configs.append(config)
     if changed:
+        advice = ("remove_checkpointing() switches it back on, and generate() takes use_cache=True" if any(
+            callable(getattr(m, "generate", None)) for m in model.modules()) else
+            "remove_checkpointing() switches it back on")
         warnings.warn(
-            f"lightning_ckpt: set {changed[0]}.config.use_cache=False: a key/value cache is for generation and "
-            "is incompatible with activation checkpointing during training. Pass use_cache=True explicitly to "
-            "generate().",
+            f"lightning_ckpt: set {changed[0]}.config.use_cache=False for training: a key/value cache built inside "
+            f"a checkpointed block would be rebuilt when the block is replayed in backward; {advice}.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=_user_stacklevel(),
         )
     return configs

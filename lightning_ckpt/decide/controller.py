@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from lightning_ckpt.core.units import parse_size_or_fraction
+from lightning_ckpt.core.units import format_bytes, parse_size_or_fraction
 
 __all__ = ["DEFAULT_LADDER", "Controller", "Decision", "resolve_threshold"]
 
@@ -112,8 +112,8 @@ class Controller:
         if reading > self.threshold:
             self.calm_steps = 0
             if self.level + 1 < len(self.ladder):
-                return self._move(+1, reading, f"activation peak {reading / 2**30:.3f} GiB > threshold "
-                                              f"{self.threshold / 2**30:.3f} GiB")
+                return self._move(+1, reading, f"activation peak {format_bytes(reading)} > threshold "
+                                              f"{format_bytes(self.threshold)}")
             return self._stay(f"above threshold at the top rung {self.policy!r}")
         predicted = self.predict_lower(reading)
         if predicted is not None and predicted < self.release_bytes:
@@ -121,8 +121,8 @@ class Controller:
         else:
             self.calm_steps = 0
         if self.calm_steps >= self.cooldown and self.since_switch >= self.cooldown:
-            return self._move(-1, reading, f"predicted {predicted / 2**30:.3f} GiB one rung lower stayed under the "
-                                           f"release level {self.release_bytes / 2**30:.3f} GiB for "
+            return self._move(-1, reading, f"predicted {format_bytes(predicted)} one rung lower stayed under the "
+                                           f"release level {format_bytes(self.release_bytes)} for "
                                            f"{self.calm_steps} steps")
         return self._stay("within limits")
 

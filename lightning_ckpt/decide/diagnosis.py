@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional
 
+from lightning_ckpt.core.units import GiB, format_bytes, unit_for
+
 __all__ = ["METER_PHASE", "PHASES", "OutOfMemoryDiagnosis", "PhaseTracker", "diagnose", "is_out_of_memory",
            "phase_forecast"]
 
@@ -103,7 +105,7 @@ def phase_forecast(phase: str, phase_peaks: Mapping[str, int], capacity: Optiona
     if not phase_peaks:
         return None
     own = METER_PHASE[phase]
-    shown = ", ".join(f"{name} {v / 2**30:.3f} GiB" + (f" ({v / capacity:.0%})" if capacity else "")
+    shown = ", ".join(f"{name} {format_bytes(v)}" + (f" ({v / capacity:.0%})" if capacity else "")
                       for name, v in phase_peaks.items())
     text = f"Phase peaks of the last measured step: {shown}."
     if capacity:
@@ -112,16 +114,17 @@ def phase_forecast(phase: str, phase_peaks: Mapping[str, int], capacity: Optiona
             text += f" The {' and '.join(crossing)} peak crossed capacity"
             text += "." if own in crossing else f"; this error came in the {own} phase, which had fit."
         elif own in phase_peaks:
-            margin = (capacity - phase_peaks[own]) / 2**30
-            text += (f" No phase had crossed capacity: the {own} phase peaked {margin:.3f} GiB below it, so this step "
+            margin = format_bytes(capacity - phase_peaks[own])
+            text += (f" No phase had crossed capacity: the {own} phase peaked {margin} below it, so this step "
                      "was larger (longer sequence, new plan) or memory grew (fragmentation, a leak).")
     return text
 
 
 def diagnose(phase: str, ledger_lines: Optional[Mapping[str, float]] = None, capacity: Optional[int] = None,
              phase_peaks: Optional[Mapping[str, int]] = None) -> str:
-    """The text for an out-of-memory error in ``phase``, with the last measured ledger (GiB values) and, when
-    measured, the last step's phase peaks (bytes; see :func:`phase_forecast`)."""
+    """The text for an out-of-memory error in ``phase``, with the last measured ledger (GiB values, as logged; printed
+    in the unit that fits its largest line) and, when measured, the last step's phase peaks (bytes; see
+    :func:`phase_forecast`)."""
     if phase not in _SUSPECTS:
         raise ValueError(f"phase={phase!r} is not one of {list(PHASES)}.")
     label = phase.replace("_", " ")
@@ -130,11 +133,12 @@ def diagnose(phase: str, ledger_lines: Optional[Mapping[str, float]] = None, cap
     if forecast:
         lines.append(forecast)
     if ledger_lines:
-        cap = f" of {capacity / 2**30:.2f} GiB capacity" if capacity else ""
+        cap = f" of {format_bytes(capacity)} capacity" if capacity else ""
         lines.append(f"Ledger at the last measured step{cap}:")
+        unit, scale = unit_for(max(ledger_lines.values()) * GiB)
         for name, gib in ledger_lines.items():
-            share = f"  ({gib * 2**30 / capacity:6.1%})" if capacity else ""
-            lines.append(f"  {name:<22} {gib:10.3f} GiB{share}")
+            share = f"  ({gib * GiB / capacity:6.1%})" if capacity else ""
+            lines.append(f"  {name:<22} {gib * GiB / scale:10.2f} {unit}{share}")
     else:
         lines.append("No step was measured before the error (it happened in the first step).")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The end-of-fit ledger report: each line in GiB and % of capacity, the dominant line, the seed's advice.
+"""The end-of-fit ledger report: each line in the unit that fits, % of capacity, the dominant line, the seed's advice.
 
 "The useful question is never 'which memory trick should we enable?' It is 'which line in the ledger is
 crossing the capacity limit?'" — :func:`ledger_report` answers it from the measured ledger, and says whether
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from lightning_ckpt.core.units import GiB
+from lightning_ckpt.core.units import GiB, format_bytes, unit_for
 from lightning_ckpt.measure.ledger import Ledger
 
 __all__ = ["copies_advice", "ledger_report", "length_reading", "loglog_slope", "phase_advice", "report_text",
@@ -69,9 +69,9 @@ def copies_advice(ledger: Ledger) -> Optional[str]:
     if not copies or copies < _COPIES_SHARE * act:
         return None
     share = f"{copies / act:.0%} of" if act else "more than"
-    return (f"Autocast's low-precision copies of the weights peak at {copies / GiB:.3f} GiB ({share} the activation "
+    return (f"Autocast's low-precision copies of the weights peak at {format_bytes(copies)} ({share} the activation "
             "line): checkpointing cannot remove them. Training in bf16-true, or FSDP mixed precision with bf16 "
-            f"parameters, makes no copies (saves up to {copies / GiB:.3f} GiB); with autocast's weight cache off "
+            f"parameters, makes no copies (saves up to {format_bytes(copies)}); with autocast's weight cache off "
             "(Lightning's bf16-mixed) only the copies saved for backward stay alive, and checkpointing does shrink "
             "those.")
 
@@ -87,8 +87,8 @@ def phase_advice(ledger: Ledger) -> Optional[str]:
         return None
     peaks = ledger.phase_peaks or {}
     dominant = ledger.phase_dominant(phase)
-    head = (f"The step peaks in the {phase} phase ({peaks[phase] / GiB:.3f} GiB; "
-            + ", ".join(f"{name} {v / GiB:.3f}" for name, v in peaks.items() if name != phase)
+    head = (f"The step peaks in the {phase} phase ({format_bytes(peaks[phase])}; "
+            + ", ".join(f"{name} {format_bytes(v)}" for name, v in peaks.items() if name != phase)
             + f"), where the {dominant} line is the largest.")
     if phase == "optimizer":
         return (head + " Checkpointing will not help here: the model state and the update's temporaries peak after "
@@ -113,7 +113,7 @@ def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: O
                       f"(currently {policy!r}).")
     if ledger.cache is not None and ledger.peak_reserved and ledger.cache > _FRAGMENTATION_SHARE * ledger.peak_reserved:
         advice.append(
-            f"Reserved exceeds allocated by {ledger.cache / GiB:.2f} GiB: that is the allocator's cache and "
+            f"Reserved exceeds allocated by {format_bytes(ledger.cache)}: that is the allocator's cache and "
             "fragmentation, not live tensors; calling empty_cache() changes the display, not the workload."
         )
     for extra in (phase_advice(ledger), copies_advice(ledger)):
@@ -144,25 +144,32 @@ def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: O
 
 
 def report_text(report: Dict[str, Any]) -> str:
-    """The report as a table for the terminal."""
+    """The report as a table for the terminal, in one unit (the one that fits its largest line, named in the header).
+
+    Reads the bytes of ``report`` (the JSON of :func:`ledger_report`, or that JSON loaded back from the file).
+    """
     cap = report["capacity"]
-    rows = ["lightning_ckpt memory ledger (peak of the last measured step)",
-            f"  {'line':<14}{'GiB':>10}" + (f"{'% of capacity':>16}" if cap else "")]
+    sizes = [line["bytes"] for line in report["lines"].values()]
+    sizes += [phase["bytes"] for phase in (report.get("phases") or {}).values()]
+    sizes += list(report["optimizer_by_dtype"].values()) + [report["master"] or 0]
+    unit, scale = unit_for(max(sizes, default=0))
+    share_head = f"{'% of capacity':>16}" if cap else ""
+    rows = ["lightning_ckpt memory ledger (peak of the last measured step)", f"  {'line':<20}{unit:>10}" + share_head]
     for name, line in report["lines"].items():
         mark = "  <- dominant" if name == report["dominant"] else ""
         share = f"{line['share_of_capacity']:>16.1%}" if cap else ""
-        rows.append(f"  {name:<14}{line['gib']:>10.3f}{share}{mark}")
+        rows.append(f"  {name:<20}{line['bytes'] / scale:>10.2f}{share}{mark}")
     for dtype, size in sorted(report["optimizer_by_dtype"].items()):
-        rows.append(f"    optimizer {dtype:<8}{size / GiB:>8.3f}")
+        rows.append(f"    {'optimizer ' + dtype:<18}{size / scale:>10.2f}")
     if report["master"]:
-        rows.append(f"    master copies {report['master'] / GiB:>8.3f}")
+        rows.append(f"    {'master copies':<18}{report['master'] / scale:>10.2f}")
     if report.get("phases"):
-        rows.append(f"  {'phase peak':<14}{'GiB':>10}" + (f"{'% of capacity':>16}" if cap else "") + "  largest line")
+        rows.append(f"  {'phase peak':<20}{unit:>10}" + share_head + "  largest line")
         for name, phase in report["phases"].items():
             mark = "  <- the step's peak" if name == report["peak_phase"] else ""
             share = f"{phase['share_of_capacity']:>16.1%}" if cap else ""
-            rows.append(f"  {name:<14}{phase['gib']:>10.3f}{share}  {phase['dominant']}{mark}")
+            rows.append(f"  {name:<20}{phase['bytes'] / scale:>10.2f}{share}  {phase['dominant']}{mark}")
     if cap:
-        rows.append(f"  capacity {cap / GiB:.2f} GiB")
+        rows.append(f"  capacity {format_bytes(cap)}")
     rows.extend(f"  - {line}" for line in report["advice"])
     return "\n".join(rows)

@@ -14,7 +14,8 @@ logging steps: on CUDA from CUDA events recorded at the step boundaries (the dev
 read only on steps that count tokens (``begin_step(tokens=True)``, the logging steps): reading an event waits for
 the device once, so every other step records one event and waits for nothing; their ``step_s`` is ``None``.
 ``tokens_per_sec = tokens / step_s``; tokens are counted from the batch (``attention_mask`` non-padding when
-present, else the token tensor's size) or by ``tokens_fn``.
+present, else the token ids' size) or by ``tokens_fn``. A step whose batches carry no token ids (images, waveforms:
+see :mod:`lightning_ckpt.measure.tokens`) has ``tokens=None`` and logs ``samples_per_sec`` only.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ __all__ = ["StepMonitor", "StepResult"]
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step measured on this rank (``tokens`` and ``step_s`` are ``None`` when not read)."""
+    """What one optimizer step measured on this rank (``tokens`` and ``step_s`` are ``None`` when not read;
+    ``tokens`` is ``None`` too when the step's batches had no tokens, see :mod:`lightning_ckpt.measure.tokens`)."""
 
     reading: Optional[StepReading]
     ledger: Optional[Ledger]
@@ -56,10 +58,10 @@ class StepResult:
         """Every metric name of DESIGN.md that this step measured (GiB floats for memory)."""
         root = f"{prefix}/" if prefix else ""
         out = dict(self.ledger.as_metrics(prefix=f"{root}memory")) if self.ledger is not None else {}
-        if self.tokens is not None and self.step_s is not None:
-            out[f"{root}throughput/tokens_per_sec"] = self.tokens_per_sec
+        if self.step_s is not None:  # read on counting steps only: then samples were counted too
+            if self.tokens is not None:  # batches without token ids (images) have samples, no tokens
+                out[f"{root}throughput/tokens_per_sec"] = self.tokens_per_sec
             out[f"{root}throughput/samples_per_sec"] = self.samples_per_sec
-        if self.step_s is not None:
             out[f"{root}time/step_s"] = self.step_s
         out[f"{root}checkpointing/blocks"] = float(self.checkpointed_blocks)
         return out
@@ -93,7 +95,7 @@ class StepMonitor:
         self._pauses: List[Tuple[Any, Any]] = []  # (pause, resume) marks since _start
         self._has_start = False
         self._measured = 0
-        self._tokens: Any = 0
+        self._tokens: Any = None  # the open step's token count; None until a batch with tokens is added
         self._samples = 0
         self._open = False
         self._ledger_wanted = False
@@ -130,7 +132,7 @@ class StepMonitor:
             self.meter.start_step(exact=exact, key=key, eager=eager, state=state, hidden_recompute=hidden_recompute)
         self._ledger_wanted = measure
         self._counting = measure if tokens is None else tokens
-        self._tokens, self._samples, self._open = 0, 0, True
+        self._tokens, self._samples, self._open = None, 0, True
 
     def phase(self, name: str) -> None:
         """A phase boundary of a measured step (see :meth:`lightning_ckpt.measure.meter.StepMeter.phase`)."""
@@ -148,7 +150,9 @@ class StepMonitor:
     def add_batch(self, batch: Any) -> None:
         if not self._counting:  # counts are only read on logging steps: no work (or GPU op) otherwise
             return
-        self._tokens = self._tokens + count_tokens(batch, self.tokens_fn)
+        tokens = count_tokens(batch, self.tokens_fn)
+        if tokens is not None:  # None: a batch without token ids (an image batch) has samples only
+            self._tokens = tokens if self._tokens is None else self._tokens + tokens
         self._samples += count_samples(batch)
 
     def end_step(self, model: nn.Module, optimizers: Iterable[Any], checkpointed_blocks: int) -> StepResult:
@@ -165,7 +169,7 @@ class StepMonitor:
             ledger = build_ledger(model, list(optimizers), reading, capacity=self.capacity, device=self.meter.device,
                                   allocator_note=self.allocator_note)
         # a token count on the GPU is read only on logging steps: reading it waits for the device
-        tokens = int(self._tokens) if self._counting else None
+        tokens = int(self._tokens) if self._counting and self._tokens is not None else None
         return StepResult(reading, ledger, tokens, self._samples, step_s, checkpointed_blocks)
 
     def pause(self) -> None:

@@ -4,7 +4,16 @@ import math
 
 import pytest
 
-from lightning_ckpt.core.units import GiB, KiB, MiB, format_bytes, parse_size, parse_size_or_fraction, to_gib
+from lightning_ckpt.core.units import (
+    GiB,
+    KiB,
+    MiB,
+    format_bytes,
+    parse_size,
+    parse_size_or_fraction,
+    to_gib,
+    unit_for,
+)
 
 SIZE_HELP = "pass a size such as '18GiB', '512MiB', '2.5GB' or an int number of bytes."
 
@@ -167,6 +176,34 @@ def test_parse_size_or_fraction_names_the_argument():
 )
 def test_format_bytes(num_bytes, text):
     assert format_bytes(num_bytes) == text
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "unit"),
+    [
+        (0, ("B", 1)),
+        (1023, ("B", 1)),
+        (1024, ("KiB", KiB)),
+        (300 * KiB, ("KiB", KiB)),
+        (MiB - 1, ("KiB", KiB)),
+        (MiB, ("MiB", MiB)),
+        (1.5 * MiB, ("MiB", MiB)),  # floats too: tables pass GiB metrics turned back into bytes
+        (GiB, ("GiB", GiB)),
+        (18 * GiB, ("GiB", GiB)),
+        (2 * 1024**4, ("TiB", 1024**4)),
+        (-3 * MiB, ("MiB", MiB)),  # a negative margin reads in the unit of its size
+    ],
+)
+def test_unit_for_is_the_largest_binary_unit_the_value_reaches(num_bytes, unit):
+    assert unit_for(num_bytes) == unit
+
+
+def test_a_table_in_its_largest_values_unit_shows_every_small_line():
+    """The unit is chosen from the largest value, so the small model's lines read as numbers, not 0.000."""
+    lines = {"params": 300 * KiB, "grads": 300 * KiB, "activations": 1.2 * MiB}
+    unit, scale = unit_for(max(lines.values()))
+    assert unit == "MiB"
+    assert [f"{v / scale:.2f}" for v in lines.values()] == ["0.29", "0.29", "1.20"]
 
 
 def test_to_gib():

@@ -417,6 +417,8 @@ def test_reentrant_is_refused(stack):
     [
         ({"policy": "evry:2"}, "Did you mean 'every'"),
         ({"policy": "blocks:7"}, "valid indices 0-3"),
+        ({"policy": "first:99"}, r"^policy 'first:99' asks for the first 99 blocks but the model has 4 blocks"),
+        ({"policy": "budget:1MiB"}, r"^policy 'budget:1MiB' is chosen from measured activation memory"),  # as written
         ({"determinism_check": "strict"}, r"choose one of \['default', 'none'\]"),
         ({"preserve_rng_state": "yes"}, "must be True or False"),
         ({"blocks": "NoSuchBlock"}, "matched no module"),
@@ -454,11 +456,114 @@ def _tiny_gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-def test_hf_gradient_checkpointing_is_reported():
+def test_hf_gradient_checkpointing_is_refused_naming_the_installed_transformers_own_switch():
+    """transformers 5.24 deprecates gradient_checkpointing_disable() (a FutureWarning, "removed in v6") for
+    activation_checkpointing_disable(); 5.17 has only the old name. The refusal names the call that exists here, and
+    that call, made as written, switches Hugging Face's checkpointing off without a deprecation warning."""
     model = _tiny_gpt2()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with pytest.raises(ForeignCheckpointingError, match="gradient_checkpointing_disable"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # whichever name the installed version deprecates
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ForeignCheckpointingError, match=r"'transformer' has Hugging Face gradient") as err:
         apply_policy(model, "all")
+    named = next(m for m in ("activation_checkpointing_disable", "gradient_checkpointing_disable") if hasattr(model, m))
+    assert f"call model.{named}() first" in str(err.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        getattr(model, named)()  # what the message says, as it says it
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        assert apply_policy(model, "all").num_checkpointed == 4
+
+
+class _OldHFModel(nn.Module):
+    """A Hugging Face model as transformers 5.17 has it: only gradient_checkpointing_disable()."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.layers[0].gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self):
+        self.layers[0].gradient_checkpointing = False
+
+
+def test_the_hf_refusal_names_what_the_model_has_on_the_module_that_has_it():
+    class Wrapper(nn.Module):  # a LightningModule-like holder of the Hugging Face model
+        def __init__(self):
+            super().__init__()
+            self.backbone = _OldHFModel()
+
+    with pytest.raises(ForeignCheckpointingError, match=r"call model\.backbone\.gradient_checkpointing_disable\(\) "
+                                                        "first"):
+        apply_policy(Wrapper(), "all", blocks=nn.Linear)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    plain[1].gradient_checkpointing = True  # no Hugging Face method at all: the flag itself
+    with pytest.raises(ForeignCheckpointingError, match=r"call model\.1\.gradient_checkpointing = False first"):
+        apply_policy(plain, "all", blocks=nn.Linear)
+
+
+def _tiny_bert(kind="BertForMaskedLM", **overrides):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     vocab_size=64, max_position_embeddings=32, **overrides)
+    torch.manual_seed(0)
+    return getattr(transformers, kind)(config)
+
+
+def _tiny_roberta():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.RobertaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, vocab_size=64, max_position_embeddings=40)
+    return transformers.RobertaForMaskedLM(config)
+
+
+@pytest.mark.parametrize("build", [_tiny_bert, lambda: _tiny_bert("BertModel"), _tiny_roberta],
+                         ids=["bert-mlm", "bert-encoder", "roberta-mlm"])
+def test_masked_lms_keep_use_cache_and_get_no_warning(build):
+    """BERT and RoBERTa carry use_cache=True but, as encoders, never build a cache: nothing to switch off, no advice
+    about generate() (the trial of 32 architectures saw the warning fire for them)."""
+    model = build()
+    assert model.config.use_cache is True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_policy(model, "all")
+    assert [str(w.message) for w in caught if "use_cache" in str(w.message)] == []
+    assert model.config.use_cache is True
+    ids = torch.randint(0, 64, (2, 12))
+    model.train()
+    out = model(input_ids=ids)
+    out[0].sum().backward()  # trains, checkpointed, with the cache flag left as the user had it
+
+
+@pytest.mark.parametrize("build", [
+    _tiny_gpt2,
+    lambda: _tiny_bert("BertLMHeadModel", is_decoder=True),  # BERT as a decoder builds a cache
+    lambda: pytest.importorskip("transformers").GPT2Model(_tiny_gpt2().config),  # a base decoder, no generate()
+    lambda: pytest.importorskip("transformers").T5ForConditionalGeneration(pytest.importorskip("transformers").T5Config(
+        d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=64, decoder_start_token_id=0)),
+], ids=["gpt2", "bert-decoder", "gpt2-base", "t5"])
+def test_models_with_a_generation_cache_get_it_switched_off_warned_at_the_users_call(build):
+    model = build()
+    assert model.config.use_cache is True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_policy(model, "all")  # the warning points here
+    ours = [w for w in caught if "use_cache=False" in str(w.message)]
+    assert len(ours) == 1 and model.config.use_cache is False
+    assert ours[0].filename == __file__, ours[0].filename  # the user's line, not the plugin's
+    generates = callable(getattr(model, "generate", None))
+    assert ("generate() takes use_cache=True" in str(ours[0].message)) == generates
+
+
+def test_the_use_cache_warning_of_a_later_retarget_points_at_that_call():
+    model = _tiny_gpt2()
+    plan = apply_policy(model, "none")  # nothing checkpointed: the cache stays on
+    assert model.config.use_cache is True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan.retarget("every:2")
+    ours = [w for w in caught if "use_cache=False" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__
 
 
 def test_hf_gpt2_use_cache_forced_off_once_and_grads_equal():

@@ -4,18 +4,27 @@ import pytest
 
 from lightning_ckpt.decide.controller import DEFAULT_LADDER, Controller, resolve_threshold
 
-GiB = 2**30
+KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
 def test_crossing_up_moves_one_rung_per_reading():
     c = Controller(threshold=10 * GiB)
     d = c.observe(11 * GiB)
     assert d.changed and d.level == 1 and d.policy == "every:2"
-    assert "11.000 GiB > threshold 10.000 GiB" in d.reason
+    assert "11.00 GiB > threshold 10.00 GiB" in d.reason
     d = c.observe(10.5 * GiB)
     assert d.changed and d.policy == "all"
     d = c.observe(12 * GiB)
     assert not d.changed and d.policy == "all" and "top rung" in d.reason
+
+
+def test_a_small_models_reasons_print_sizes_in_the_unit_that_fits():
+    """A 2-block model's activations are a few hundred KiB: its reasons name them, not '0.001 GiB > 0.000 GiB'."""
+    up = Controller(threshold=300 * KiB).observe(1.2 * MiB)
+    assert up.changed and "activation peak 1.2 MiB > threshold 300.0 KiB" in up.reason
+    down = Controller(threshold=300 * KiB, cooldown=1, level=1).observe(100 * KiB)  # no ratio learned: 100 KiB
+    assert down.changed and "predicted 100.0 KiB one rung lower stayed under the release level 240.0 KiB" in down.reason
+    assert "GiB" not in up.reason + down.reason
 
 
 def test_staying_below_threshold_at_the_bottom_never_switches():

@@ -40,7 +40,7 @@ def test_tracker_walks_the_phases_and_knows_the_first_optimizer_step():
 def test_each_phase_names_the_seed_suspect(phase, words):
     text = diagnose(phase, {"params": 2.42, "optimizer": 9.69}, capacity=24 * 2**30)
     assert words in text and phase.replace("_", " ") in text
-    assert "9.690 GiB" in text and "40.4%" in text
+    assert "      9.69 GiB" in text and "40.4%" in text and "of 24.00 GiB capacity" in text
 
 
 def test_no_ledger_yet_and_bad_phase():
@@ -68,10 +68,25 @@ def test_phase_peaks_say_which_phase_crossed_capacity():
     GiB = 2**30
     peaks = {"forward": 10 * GiB, "backward": 12 * GiB, "optimizer": 17 * GiB}
     text = diagnose("optimizer_step", {"params_gib": 4.0}, capacity=16 * GiB, phase_peaks=peaks)
-    assert "Phase peaks of the last measured step: forward 10.000 GiB (62%)" in text
+    assert "Phase peaks of the last measured step: forward 10.00 GiB (62%)" in text
     assert "The optimizer peak crossed capacity." in text
     text = diagnose("forward", None, capacity=16 * GiB, phase_peaks=peaks)
     assert "this error came in the forward phase, which had fit" in text
     text = diagnose("backward", None, capacity=20 * GiB, phase_peaks=peaks)
-    assert "the backward phase peaked 8.000 GiB below it" in text
+    assert "the backward phase peaked 8.00 GiB below it" in text
     assert "Phase peaks" not in diagnose("backward", None, capacity=20 * GiB)
+
+
+def test_a_small_models_diagnosis_prints_sizes_in_the_unit_that_fits():
+    """A small model's ledger (GiB values, as logged) and phase peaks read in KiB / MiB, not '0.000 GiB'."""
+    KiB, MiB, GiB = 2**10, 2**20, 2**30
+    ledger = {"params": 300 * KiB / GiB, "activations": 1.5 * MiB / GiB}
+    peaks = {"forward": 2 * MiB, "backward": 1536 * KiB, "optimizer": 700 * KiB}
+    text = diagnose("backward", ledger, capacity=4 * MiB, phase_peaks=peaks)
+    assert "Phase peaks of the last measured step: forward 2.0 MiB (50%), backward 1.5 MiB (38%), optimizer " \
+           "700.0 KiB (17%)." in text
+    assert "the backward phase peaked 2.5 MiB below it" in text
+    assert "Ledger at the last measured step of 4.0 MiB capacity:" in text
+    assert "  params                       0.29 MiB  (  7.3%)" in text  # one unit, the largest line's
+    assert "  activations                  1.50 MiB  ( 37.5%)" in text
+    assert "GiB" not in text and "0.000" not in text

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lightning_ckpt.decide.report import ledger_report, phase_advice, report_text
 from lightning_ckpt.measure.ledger import Ledger
 
-GiB = 2**30
+KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
 def _ledger(forward, backward, optimizer, activations=3 * GiB, capacity=None):
@@ -24,7 +26,7 @@ def test_the_advice_follows_the_phase_that_peaks(peaks, phase, dominant, words):
     ledger = _ledger(*(p * GiB for p in peaks))
     assert ledger.peak_phase == phase and ledger.phase_dominant() == dominant
     advice = phase_advice(ledger)
-    assert advice.startswith(f"The step peaks in the {phase} phase ({max(peaks):.3f} GiB")
+    assert advice.startswith(f"The step peaks in the {phase} phase ({max(peaks):.2f} GiB")
     assert f"the {dominant} line is the largest" in advice and words in advice
 
 
@@ -40,11 +42,40 @@ def test_report_table_marks_the_peak_phase_with_shares_of_capacity():
     data = ledger_report(_ledger(9 * GiB, 10 * GiB, 14 * GiB, capacity=16 * GiB), "all", ("none", "all"))
     assert data["peak_phase"] == "optimizer" and data["phases"]["optimizer"]["share_of_capacity"] == 14 / 16
     text = report_text(data)
-    assert "optimizer         14.000           87.5%  temporaries  <- the step's peak" in text
-    assert "forward            9.000           56.2%  optimizer" in text
+    assert "  phase peak                 GiB   % of capacity  largest line" in text
+    assert "  optimizer                14.00           87.5%  temporaries  <- the step's peak" in text
+    assert "  forward                   9.00           56.2%  optimizer" in text
+    assert "capacity 16.00 GiB" in text
 
 
 def test_without_phase_peaks_there_is_no_phase_table():
     ledger = Ledger(params=GiB, grads=GiB, optimizer=GiB, activations=GiB)
     assert ledger.peak_phase is None and phase_advice(ledger) is None
     assert "phase peak" not in report_text(ledger_report(ledger, "none", ("none", "all")))
+
+
+def test_a_small_models_report_prints_its_lines_in_the_unit_that_fits():
+    """A 2-block model's ledger is a few hundred KiB: one unit for the table, from its largest line, in the header;
+    the advice names sizes with theirs. Not 'params 0.000' under 'GiB'."""
+    ledger = Ledger(params=300 * KiB, grads=300 * KiB, optimizer=600 * KiB, activations=1536 * KiB,
+                    autocast_copies=150 * KiB, optimizer_by_dtype={"float32": 600 * KiB}, master=100 * KiB,
+                    phase_peaks={"forward": 2 * MiB, "backward": 2.5 * MiB,
+                                                            "optimizer": 1.75 * MiB})
+    data = ledger_report(ledger, "none", ("none", "all"))
+    assert data["lines"]["params"] == {"bytes": 300 * KiB, "gib": 300 * KiB / GiB, "share_of_capacity": None}
+    text = report_text(data)
+    assert "  line                       MiB\n" in text and "  phase peak                 MiB  largest line" in text
+    assert "  params                    0.29\n" in text and "  activations               1.50  <- dominant" in text
+    assert "  autocast_copies           0.15\n" in text
+    assert "    optimizer float32       0.59\n" in text and "    master copies           0.10\n" in text  # same column
+    assert "  backward                  2.50  activations  <- the step's peak" in text
+    assert "The step peaks in the backward phase (2.5 MiB; forward 2.0 MiB, optimizer 1.8 MiB)" in text
+    assert "0.000" not in text and "GiB" not in text
+    # the table reads the bytes, so the JSON written beside the logs prints the same when loaded back
+    assert report_text(json.loads(json.dumps(data))) == text
+
+
+def test_a_tiny_report_falls_back_to_bytes_and_kib():
+    ledger = Ledger(params=512, grads=512, optimizer=1024, activations=900)
+    text = report_text(ledger_report(ledger, "none", ("none", "all")))
+    assert "  line                       KiB\n" in text and "  params                    0.50\n" in text

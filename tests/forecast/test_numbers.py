@@ -43,7 +43,9 @@ def test_which_line_crosses_capacity():
 def test_cli_table_and_json(capsys):
     assert main(SEED) == 0
     out = capsys.readouterr().out
-    for text in ("2.42", "9.69", "4.84", "19.37", "16 MiB", "384 MiB", "activations line crosses 24 GiB"):
+    for text in ("line                         GiB", "2.42", "9.69", "4.84", "19.37", "16.0 MiB", "384.0 MiB",
+                 "verdict (GiB; the highest phase decides)", "activations line crosses 24.00 GiB",
+                 "fits, 1011.6 MiB to spare", "fits, 3.99 GiB to spare"):
         assert text in out
     assert main(SEED + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -72,6 +74,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, extra, words, capsys, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "lightning_ckpt"] + SEED + ["--json"], capture_output=True,
                          text=True, check=True).stdout

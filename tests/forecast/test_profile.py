@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from lightning_ckpt.cli.main import main
-from lightning_ckpt.forecast.profile import ProfileResult, profile, read_slopes, recommend
+from lightning_ckpt.core.units import unit_for
+from lightning_ckpt.forecast.profile import ProfileReport, ProfileResult, profile, read_slopes, recommend
+from lightning_ckpt.forecast.profile.output import markdown, table
 
 GPT = "lightning_ckpt.demos.lightning_gpt:GPTLightningModule"
 TINY = json.dumps(dict(n_layer=2, n_embd=32, n_head=2, block_size=32))
@@ -31,6 +33,7 @@ def in_tmp(tmp_path, monkeypatch):
 BUDGET = "600KB"
 
 
+@pytest.mark.slow
 def test_profile_writes_everything_and_recommends_within_budget(in_tmp, capsys):
     out = in_tmp / "prof"
     args = ["profile", GPT, "--init-args", TINY, "--policies", "none,all", "--micro-batches", "1,2",
@@ -72,6 +75,7 @@ def test_profile_writes_everything_and_recommends_within_budget(in_tmp, capsys):
         assert events and events[0].stat().st_size > 0, name
 
 
+@pytest.mark.slow
 def test_injected_oom_is_a_result_not_a_crash(in_tmp):
     report = profile("_profile_models:OOMAboveGPT", dict(oom_above_tokens=32, n_layer=2, n_embd=32, n_head=2,
                                                          block_size=32),
@@ -126,6 +130,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(in_tmp, extra, words, caps
     assert [p.name for p in in_tmp.iterdir()] == []
 
 
+@pytest.mark.slow
 def test_console_script_exit_code_on_bad_input(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lightning_ckpt", "profile", "nope.nothing:X"], cwd=tmp_path,
                           capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -178,6 +183,7 @@ def test_recommendation_is_fastest_that_fits():
     assert nothing["name"] is None and "no configuration fits" in nothing["text"]
 
 
+@pytest.mark.slow
 def test_profile_measures_the_phase_peaks_and_marks_the_limiting_phase(in_tmp):
     """The forward, backward and optimizer peaks of each configuration (steady state: the optimizer state exists),
     the step's peak is the highest, and profile.md marks that phase."""
@@ -192,4 +198,30 @@ def test_profile_measures_the_phase_peaks_and_marks_the_limiting_phase(in_tmp):
     assert by["none"].peak_phase == "forward"
     assert by["all"].phase_peaks["forward"] < by["none"].phase_peaks["forward"]
     md = (in_tmp / "p" / "profile.md").read_text()
-    assert "fwd peak MiB" in md and "◀" in md and "the phase that limits the configuration" in md
+    assert "◀" in md and "the phase that limits the configuration" in md
+    peaks = [v for r in report.results for v in (r.peak, r.activations, *r.phase_peaks.values())]
+    assert f"fwd peak {unit_for(max(peaks))[0]}" in md  # the unit of the table's largest value
+
+
+def _report(rows, device="cpu"):
+    settings = dict(budget=None, capacity=None, accumulate=1, precision="32-true", warmup=2, steps=3, seq_len=32,
+                    micro_batch=1, batch="example_batch", policies=["none"])
+    return ProfileReport(model="m", device=device, settings=settings, results=rows, recommendation=None,
+                         reading={})
+
+
+@pytest.mark.parametrize("act, unit, cell", [(300 * 1024, "KiB", "300.0"), (5 * MiB, "MiB", "5.0"),
+                                             (3 * 2**30, "GiB", "3.0")])
+def test_the_profile_tables_print_bytes_in_the_unit_of_their_largest_value(act, unit, cell):
+    """One unit per table, named in the column headers: a small model reads '300.0' under KiB, not '0.3' under MiB."""
+    rows = [_row("none", 1, 32, act, state=act // 4), _row("all", 1, 32, act // 2, state=act // 4)]
+    rows[0].phase_peaks = {"forward": act + act // 4, "backward": act, "optimizer": act // 2}
+    report = _report(rows)
+    t = table(report)
+    headers = [c.header for c in t.columns]
+    assert f"act. peak {unit}" in headers and f"est. peak {unit}" in headers and f"fwd peak {unit}" in headers
+    assert list(t.columns[headers.index(f"act. peak {unit}")].cells)[0] == cell
+    md = markdown(report)
+    assert f"| act. peak {unit} |" in md and f"| {cell} |" in md
+    other = {"KiB", "MiB", "GiB"} - {unit}
+    assert not any(f"peak {u}" in md for u in other)

@@ -466,3 +466,79 @@ def test_toggling_on_off_on_equals_a_run_without_the_plugin(tmp_path):
     _fit(model, [ActivationCheckpointing(), _Toggle({3: "none", 5: "all"}), rec], tmp_path, **kwargs)
     assert [r[0] for r in rec.records["train"]] == [2, 2, 2, 1, 1, 2, 2]
     torch.testing.assert_close(params_of(model), params_of(plain), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ the report's folder
+
+
+def _files(folder) -> list:
+    return sorted(p.name for p in folder.rglob("*") if p.is_file())
+
+
+def test_without_a_logger_the_report_goes_under_default_root_dir_never_the_cwd(tmp_path, monkeypatch):
+    """logger=False: the report JSON lands under trainer.default_root_dir, as Lightning's own files do; the current
+    directory (elsewhere) gets nothing."""
+    root, cwd = tmp_path / "root", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    cb = ActivationCheckpointing()
+    with pytest.warns(UserWarning, match="no logger"):
+        _fit(TinyTransformer(), [cb], root, logger=False, max_steps=2, log_every_n_steps=1)
+    assert (root / "lightning_ckpt_report.json").is_file()
+    assert _files(cwd) == []
+
+
+def test_with_a_logger_the_report_goes_beside_its_logs(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import CSVLogger, Logger
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    _fit(TinyTransformer(), [ActivationCheckpointing()], tmp_path / "a", max_steps=2, log_every_n_steps=1,
+         logger=CSVLogger(str(tmp_path / "logs"), name="run"))
+    assert (tmp_path / "logs" / "run" / "version_0" / "lightning_ckpt_report.json").is_file()
+
+    class NoDir(Logger):  # a logger that keeps no files (save_dir None): the report goes under default_root_dir
+        name, version = "nodir", 0
+
+        def log_metrics(self, metrics, step=None):
+            pass
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+    _fit(TinyTransformer(), [ActivationCheckpointing()], tmp_path / "b", max_steps=2, log_every_n_steps=1,
+         logger=NoDir())
+    assert (tmp_path / "b" / "lightning_ckpt_report.json").is_file()
+    assert _files(cwd) == []
+
+
+# ------------------------------------------------------------------------------------ Hugging Face's use_cache
+
+
+class _HFModule(TinyTransformer):
+    """A LightningModule training a tiny Hugging Face GPT-2 (built from a config: nothing downloaded)."""
+
+    def _build(self) -> None:
+        if self.layers is not None:
+            return
+        transformers = pytest.importorskip("transformers")
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=64,
+                                         bos_token_id=0, eos_token_id=0)
+        self.layers = transformers.GPT2LMHeadModel(config)
+
+    def training_step(self, batch, batch_idx):
+        ids = torch.randint(0, 64, (2, 16))
+        return self.layers(input_ids=ids, labels=ids).loss
+
+
+def test_the_use_cache_warning_through_the_trainer_points_at_the_users_fit_call(tmp_path):
+    pytest.importorskip("transformers")
+    model = _HFModule()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(model, [ActivationCheckpointing(policy="all")], tmp_path, max_steps=1, limit_val_batches=0,
+             num_sanity_val_steps=0)
+    ours = [w for w in caught if "use_cache=False" in str(w.message)]
+    assert len(ours) == 1 and model.layers.config.use_cache is False
+    assert ours[0].filename == __file__, ours[0].filename  # _fit's trainer.fit line: the user's, not Lightning's

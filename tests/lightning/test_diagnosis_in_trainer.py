@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_ckpt import ActivationCheckpointing
+from lightning_ckpt.core.units import unit_for
 from lightning_ckpt.decide.diagnosis import OutOfMemoryDiagnosis
 
 OOM = "CUDA out of memory. Tried to allocate 4.00 GiB (injected)"
@@ -91,8 +92,10 @@ def test_out_of_memory_names_the_phase_with_the_last_ledger(tmp_path, phase, at_
     assert f"during the {phase.replace('_', ' ')} phase" in str(error) and words in str(error)
     assert isinstance(error.__cause__, torch.OutOfMemoryError) and "injected" in str(error.__cause__)
     if at_step:
-        params = cb.last_metrics["memory/params_gib"]
-        assert f"{params:10.3f} GiB" in str(error)  # the ledger of the last logged step
+        memory = [v for k, v in cb.last_metrics.items() if "memory/" in k]
+        unit, scale = unit_for(max(memory) * 2**30)  # the table's one unit, from its largest line
+        params = cb.last_metrics["memory/params_gib"] * 2**30 / scale
+        assert f"{params:10.2f} {unit}" in str(error)  # the ledger of the last logged step
         saved = sorted((tmp_path / "ckpt").glob("*.ckpt"))
         assert len(saved) == at_step  # checkpoints written before the failure are intact and load
         for path in saved:

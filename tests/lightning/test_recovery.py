@@ -447,7 +447,7 @@ def test_changing_plans_refuse_dropout_without_rng_replay_before_the_first_step(
 
 
 @pytest.mark.parametrize("kwargs, option", [
-    (dict(policy="budget:1MiB"), "policy='budget:1048576'"),
+    (dict(policy="budget:1MiB"), "policy='budget:1MiB'"),
     (dict(on_oom="escalate"), "on_oom='escalate'"),
     (dict(auto_threshold="1GiB"), "auto_threshold"),
 ])

@@ -93,6 +93,28 @@ def test_step_time_is_the_devices_and_read_only_on_steps_whose_figures_are_read(
     assert device.events == 1 + len(kinds)  # the first step's start, then one per step boundary
 
 
+def test_an_image_step_logs_samples_per_second_and_no_tokens_per_second():
+    """Image batches have no tokens (:mod:`lightning_ckpt.measure.tokens`): the step logs samples/s only, and
+    ``tokens_fn`` brings tokens/s back."""
+    for tokens_fn, tokens in ((None, None), (lambda batch: 196 * len(batch[0]), 2 * 196 * 4)):
+        device = FakeDevice()
+        monitor = _monitor(device)
+        monitor.tokens_fn = tokens_fn
+        monitor.begin_step(measure=False, tokens=True)
+        for _ in range(2):  # two micro-batches of 4 images
+            monitor.add_batch((torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))))
+        device.run(0.5)
+        result = monitor.end_step(nn.Linear(1, 1), [], 0)
+        metrics = result.metrics()
+        assert result.tokens == tokens and result.samples == 8
+        assert metrics["throughput/samples_per_sec"] == pytest.approx(16.0)
+        assert metrics["time/step_s"] == pytest.approx(0.5, abs=1e-12)
+        if tokens is None:
+            assert "throughput/tokens_per_sec" not in metrics
+        else:
+            assert metrics["throughput/tokens_per_sec"] == pytest.approx(tokens / 0.5)
+
+
 def test_a_step_includes_the_device_idle_wait_for_its_batch():
     """Between two steps the host loads the next batch while the device, done, waits: the event interval of the next
     step includes that wait (as a user timing the loop sees it), since its start is the previous step's end."""

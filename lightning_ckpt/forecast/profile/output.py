@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
-from lightning_ckpt.core.units import MiB, format_bytes
+from lightning_ckpt.core.units import format_bytes, unit_for
 from lightning_ckpt.forecast.profile.analysis import ProfileReport, ProfileResult
 
 __all__ = ["Progress", "conclusions", "markdown", "save_plot", "summary_text", "table", "tensorboard_writer"]
@@ -63,8 +63,17 @@ class Progress:
             self.progress.advance(self.task, n)
 
 
-def _fmt_bytes(n: Optional[int]) -> str:
-    return "—" if n is None else f"{n / MiB:,.1f}"
+def _unit(report: ProfileReport) -> Tuple[str, int]:
+    """The one unit of the table's byte columns: the one that fits the largest value measured."""
+    sizes = [0]
+    for r in report.results:
+        sizes += [v for v in (r.activations, r.peak_allocated, r.peak_reserved, r.peak) if v is not None]
+        sizes += list((r.phase_peaks or {}).values())
+    return unit_for(max(sizes))
+
+
+def _fmt_bytes(n: Optional[int], scale: int) -> str:
+    return "—" if n is None else f"{n / scale:,.1f}"
 
 
 def _fmt_s(s: Optional[float]) -> str:
@@ -72,21 +81,23 @@ def _fmt_s(s: Optional[float]) -> str:
 
 
 def _columns(report: ProfileReport) -> List[str]:
-    cols = ["configuration", "policy", "micro-batch", "seq len", "tokens/step", "act. peak MiB"]
+    unit = _unit(report)[0]
+    cols = ["configuration", "policy", "micro-batch", "seq len", "tokens/step", f"act. peak {unit}"]
     if report.device.startswith("cuda"):
-        cols += ["peak alloc MiB", "peak reserved MiB"]
+        cols += [f"peak alloc {unit}", f"peak reserved {unit}"]
     else:
-        cols += ["est. peak MiB"]
-    cols += ["fwd peak MiB", "bwd peak MiB", "opt peak MiB"]
+        cols += [f"est. peak {unit}"]
+    cols += [f"fwd peak {unit}", f"bwd peak {unit}", f"opt peak {unit}"]
     return cols + ["fwd ms", "bwd ms", "tokens/s", "fits", "status"]
 
 
-def _row(r: ProfileResult, cuda: bool) -> List[str]:
+def _row(r: ProfileResult, cuda: bool, scale: int) -> List[str]:
     mb = f"{r.micro_batch}×{r.accumulate}" if r.accumulate > 1 else str(r.micro_batch)
-    row = [r.name, r.policy, mb, str(r.seq_len), f"{r.tokens_per_step:,}", _fmt_bytes(r.activations)]
-    row += [_fmt_bytes(r.peak_allocated), _fmt_bytes(r.peak_reserved)] if cuda else [_fmt_bytes(r.peak)]
+    row = [r.name, r.policy, mb, str(r.seq_len), f"{r.tokens_per_step:,}", _fmt_bytes(r.activations, scale)]
+    row += ([_fmt_bytes(r.peak_allocated, scale), _fmt_bytes(r.peak_reserved, scale)] if cuda
+            else [_fmt_bytes(r.peak, scale)])
     limit = r.peak_phase
-    row += [_fmt_bytes((r.phase_peaks or {}).get(name)) + (" ◀" if name == limit else "")
+    row += [_fmt_bytes((r.phase_peaks or {}).get(name), scale) + (" ◀" if name == limit else "")
             for name in ("forward", "backward", "optimizer")]
     status = "OOM" if r.oom else ("error" if r.error else "ok")
     fits = "—" if r.fits is None else ("yes" if r.fits else "no")
@@ -104,8 +115,9 @@ def table(report: ProfileReport):
     t = Table(title=f"lightning-ckpt profile: {report.model} on {report.device}")
     for i, c in enumerate(_columns(report)):
         t.add_column(c, justify="left" if i < 2 else "right")
+    scale = _unit(report)[1]
     for r in report.results:
-        t.add_row(*_row(r, cuda), style="bold green" if r.name == best else ("red" if not r.ok else None))
+        t.add_row(*_row(r, cuda, scale), style="bold green" if r.name == best else ("red" if not r.ok else None))
     return t
 
 
@@ -144,8 +156,9 @@ def markdown(report: ProfileReport) -> str:
     cols = _columns(report)
     out.append("| " + " | ".join(cols) + " |")
     out.append("|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|")
+    scale = _unit(report)[1]
     for r in report.results:
-        out.append("| " + " | ".join(_row(r, cuda)) + " |")
+        out.append("| " + " | ".join(_row(r, cuda, scale)) + " |")
     out.append("")
     out += [f"- {line}" for line in conclusions(report)]
     if report.outputs.get("plot"):
@@ -159,6 +172,7 @@ def save_plot(report: ProfileReport, path: str) -> str:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
+    unit, scale = unit_for(max([r.activations or 0 for r in report.results], default=0))
     fig, (ax_mem, ax_tps) = plt.subplots(1, 2, figsize=(11, 4.2))
     for policy in report.settings["policies"]:
         rows = sorted((r for r in report.results if r.policy == policy and r.accumulate == 1 and r.ok),
@@ -166,18 +180,18 @@ def save_plot(report: ProfileReport, path: str) -> str:
         if not rows:
             continue
         xs = [r.tokens_per_step for r in rows]
-        line, = ax_mem.plot(xs, [(r.activations or 0) / MiB for r in rows], marker="o", label=policy)
+        line, = ax_mem.plot(xs, [(r.activations or 0) / scale for r in rows], marker="o", label=policy)
         ax_tps.plot(xs, [r.tokens_per_sec or 0 for r in rows], marker="o", label=policy, color=line.get_color())
         ooms = [r for r in report.results if r.policy == policy and r.oom]
         for r in ooms:
             ax_mem.axvline(r.micro_batch * r.seq_len * r.accumulate, color=line.get_color(), ls=":", lw=1)
     for r in report.results:
         if r.accumulate > 1 and r.ok:
-            ax_mem.scatter([r.tokens_per_step], [(r.activations or 0) / MiB], marker="s", color="black",
+            ax_mem.scatter([r.tokens_per_step], [(r.activations or 0) / scale], marker="s", color="black",
                            label=f"none, 1×{r.accumulate} accumulation", zorder=3)
             ax_tps.scatter([r.tokens_per_step], [r.tokens_per_sec or 0], marker="s", color="black",
                            label=f"none, 1×{r.accumulate} accumulation", zorder=3)
-    ax_mem.set(xlabel="tokens per optimizer step", ylabel="activation peak (MiB)", title="activation peak")
+    ax_mem.set(xlabel="tokens per optimizer step", ylabel=f"activation peak ({unit})", title="activation peak")
     ax_tps.set(xlabel="tokens per optimizer step", ylabel="tokens / s", title="throughput")
     for ax in (ax_mem, ax_tps):
         ax.grid(alpha=0.3)

@@ -386,7 +386,8 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
         opts = make_optimizers(module, None)
         batch = source.make(result.micro_batch, result.seq_len, dev)
         tokens = count_tokens(batch)
-        result.tokens_per_step = int(tokens) * result.accumulate
+        if tokens is not None:  # a batch without token ids (images) keeps micro-batch × length
+            result.tokens_per_step = int(tokens) * result.accumulate
         for i in range(warmup + steps):
             fwd = bwd = 0.0
             _sync(dev)
