@@ -29,6 +29,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_ckpt import ActivationCheckpointing
 from lightning_ckpt.demos import CharDataModule, GPTLightningModule
 
+# logged by the demo modules' validation_step (torchmetrics objects: see lightning_ckpt/demos/lightning_gpt.py)
+VAL_METRICS = ("val_ppl", "val_acc")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; model size flags default to a CPU-friendly GPT."""
@@ -79,8 +82,8 @@ def main(argv: list[str] | None = None, build_model=build_gpt, run_name: str = "
 
 
 def report(trainer: Trainer, callback: ActivationCheckpointing) -> None:
-    """Print the final losses and, when the callback exposes one, its checkpointing plan."""
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith("loss")}
+    """Print the final losses, perplexity and accuracy and, when the callback exposes one, its checkpointing plan."""
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith("loss") or k in VAL_METRICS}
     print("final metrics:", ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
     plan = getattr(callback, "plan", None)
     if plan is not None:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import ast
+import csv
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import torchmetrics
+from lightning.pytorch import Callback
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_ckpt import demos
 from lightning_ckpt.demos import (
@@ -16,6 +21,7 @@ from lightning_ckpt.demos import (
     Block,
     CharDataModule,
     CharTokenizer,
+    CharWindows,
     GPTConfig,
     GPTLightningModule,
     HFCausalLMModule,
@@ -289,3 +295,167 @@ def test_hf_module_honours_attention_mask():
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     batch["attention_mask"][:, :4] = 0
     assert torch.isfinite(module.compute_loss(batch))
+
+
+# --- validation metrics (CausalLMMixin, shared by both demo modules) ----------------------------------------------
+
+V, T = 96, 16
+MODULES = {
+    "gpt": lambda: GPTLightningModule(n_layer=2, n_embd=32, n_head=2, block_size=T, dropout=0.0),
+    "hf": lambda: HFCausalLMModule(n_layer=2, n_embd=32, n_head=2, n_positions=T, dropout=0.0),
+}
+# the logits by each model's own road, not through the module code under test
+LOGITS = {"gpt": lambda m, ids: m.model(ids)[0], "hf": lambda m, ids: m.model(input_ids=ids).logits}
+
+
+class _ValWindows(Dataset):
+    """Eight validation windows whose text depends on ``part`` (so each validation run reads data of its own).
+    Window ``i`` has its first ``i`` labels ignored (-100): the batches hold different numbers of labelled tokens,
+    so the mean of the batch losses is not the token mean."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens, self.part = tokens, 0
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        start = self.part * 8 * T + i * T
+        chunk = self.tokens[start : start + T + 1]
+        labels = chunk[1:].clone()
+        labels[:i] = -100
+        return {"input_ids": chunk[:-1], "labels": labels}
+
+
+def _by_hand(module, logits_of, dataset) -> tuple[float, float, float]:
+    """(perplexity, accuracy, mean of batch losses) over ``dataset``: float64 sums over the labelled tokens."""
+    nll = correct = count = 0.0
+    batch_losses = []
+    module.eval()
+    with torch.no_grad():
+        for batch in DataLoader(dataset, batch_size=4):
+            logits = logits_of(module, batch["input_ids"]).double().reshape(-1, V)
+            labels = batch["labels"].reshape(-1).to(logits.device)
+            keep = labels != -100
+            token_nll = nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+            nll += token_nll[keep].sum().item()
+            correct += (logits.argmax(-1) == labels)[keep].sum().item()
+            count += keep.sum().item()
+            batch_losses.append(token_nll[keep].mean().item())
+    return math.exp(nll / count), correct / count, sum(batch_losses) / len(batch_losses)
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")  # validation_step without a Trainer
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_validation_metrics_are_torchmetrics_objects_outside_the_state_dict(name):
+    module = MODULES[name]()
+    assert isinstance(module.val_ppl, torchmetrics.text.Perplexity) and module.val_ppl.ignore_index == -100
+    assert isinstance(module.val_acc, torchmetrics.classification.MulticlassAccuracy)
+    assert (module.val_acc.num_classes, module.val_acc.ignore_index, module.val_acc.average) == (V, -100, "micro")
+    assert {n for n, _ in module.named_children()} == {"model", "val_ppl", "val_acc"}  # attributes: Lightning sees them
+    # checkpoints are unchanged: the metric states are not persistent
+    assert set(module.state_dict()) == {f"model.{k}" for k in module.model.state_dict()}
+    batch = module.example_batch(4, T)
+    batch["labels"][:, :3] = -100
+    module.validation_step(batch, 0)
+    module.validation_step(batch, 1)
+    # running sums only: nothing of the [B, T, V] logits is kept past the step
+    for metric in (module.val_ppl, module.val_acc):
+        assert all(getattr(metric, state).numel() == 1 for state in metric._defaults), metric._defaults
+    assert module.val_ppl.count.item() == module.val_acc.tp.item() + module.val_acc.fn.item() == 2 * 4 * (T - 3)
+
+
+class _Record(Callback):
+    """After each validation run (the sanity check included): the epoch's metrics, a copy of the weights, then
+    the next run's data. The dataset's part changes only here, after every batch of the run was read."""
+
+    def __init__(self, dataset: _ValWindows) -> None:
+        self.dataset, self.runs = dataset, []
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            metrics = {k: float(trainer.callback_metrics[k]) for k in ("val_ppl", "val_acc", "val_loss")}
+            weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            self.runs.append((self.dataset.part, metrics, weights))
+        self.dataset.part += 1
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_fit_logs_token_perplexity_and_accuracy_of_each_epoch(tmp_path, name):
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.loggers import CSVLogger
+
+    seed_everything(0)
+    module = MODULES[name]()
+    tokens = CharTokenizer().encode(DEFAULT_TEXT.read_text())
+    val = _ValWindows(tokens[-4 * 8 * T - 1 :])
+    train = DataLoader(CharWindows(tokens[: 20 * T], T, stride=T), batch_size=4, shuffle=False)
+    record = _Record(val)
+    trainer = Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=2, num_sanity_val_steps=2,
+                      logger=CSVLogger(str(tmp_path), name="csv"), callbacks=[record], enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    # the sanity check reads part 0 with the initial weights: were the metrics not reset after it, epoch 0 would
+    # carry its tokens; were they not reset between epochs, epoch 1 would carry epoch 0's
+    trainer.fit(module, train_dataloaders=train, val_dataloaders=DataLoader(val, batch_size=4))
+    assert [part for part, _, _ in record.runs] == [1, 2]
+
+    rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
+    logged = [(float(r["val_ppl"]), float(r["val_acc"])) for r in rows if r.get("val_ppl")]
+    assert len(logged) == 2  # one value per epoch, in the logger
+    fresh = MODULES[name]()
+    for (part, metrics, weights), (ppl_logged, acc_logged) in zip(record.runs, logged):
+        fresh.load_state_dict(weights)
+        val.part = part
+        ppl, acc, mean_batch_loss = _by_hand(fresh, LOGITS[name], val)
+        assert metrics["val_ppl"] == pytest.approx(ppl, rel=1e-5) and ppl_logged == pytest.approx(ppl, rel=1e-5)
+        assert metrics["val_acc"] == pytest.approx(acc, abs=1e-6) and acc_logged == pytest.approx(acc, abs=1e-6)
+        assert metrics["val_loss"] == pytest.approx(mean_batch_loss, rel=1e-5)  # kept as it was
+        # the data tell a token mean from a mean of batches (by 3.6e-4 and 5.3e-4 here, 1e-5 is the tolerance)
+        assert abs(math.log(ppl) - mean_batch_loss) > 1e-4
+    assert record.runs[0][1]["val_ppl"] != record.runs[1][1]["val_ppl"]
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
+def test_perplexity_under_cpu_bf16_autocast_is_the_float32_figure_of_the_bf16_logits():
+    # CPU autocast keeps softmax in bf16; the metric must still see float32 logits
+    torch.manual_seed(0)
+    module = MODULES["gpt"]()
+    batch = module.example_batch(4, T)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = module.logits_and_loss(batch)
+        module.validation_step(batch, 0)
+    assert logits.dtype == torch.bfloat16
+    nll = nn.functional.cross_entropy(logits.double().reshape(-1, V), batch["labels"].reshape(-1))
+    assert module.val_ppl.compute().item() == pytest.approx(math.exp(nll.item()), rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_on_cuda_the_metrics_move_with_the_module_and_match_by_hand(tmp_path, name):
+    from lightning.pytorch import Trainer, seed_everything
+
+    seed_everything(0)
+    module = MODULES[name]()
+    tokens = CharTokenizer().encode(DEFAULT_TEXT.read_text())
+    val = _ValWindows(tokens[-8 * T - 1 :])
+    seen = {}
+
+    class Devices(Callback):
+        def on_validation_end(self, trainer, pl_module):
+            seen["devices"] = {pl_module.val_ppl.count.device.type, pl_module.val_acc.tp.device.type}
+
+    trainer = Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_epochs=1, limit_train_batches=2,
+                      num_sanity_val_steps=0, logger=False, callbacks=[Devices()], enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    train = DataLoader(CharWindows(tokens[: 20 * T], T, stride=T), batch_size=4)
+    trainer.fit(module, train_dataloaders=train, val_dataloaders=DataLoader(val, batch_size=4))
+    assert seen["devices"] == {"cuda"}
+    module.cuda()
+
+    def bf16_logits(m, ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return LOGITS[name](m, ids.cuda())
+
+    ppl, acc, _ = _by_hand(module, bf16_logits, val)
+    assert float(trainer.callback_metrics["val_ppl"]) == pytest.approx(ppl, rel=1e-4)
+    assert float(trainer.callback_metrics["val_acc"]) == pytest.approx(acc, abs=1e-6)

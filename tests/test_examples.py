@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, block", [("train_gpt.py", "Block"), ("hf_model.py", "GPT2Block")])
 def test_example_trains_and_reports_its_plan(tmp_path, script, block):
     out = subprocess.run(
@@ -18,4 +19,7 @@ def test_example_trains_and_reports_its_plan(tmp_path, script, block):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "policy 'every:2', 3/6 blocks checkpointed" in out.stdout and f"× {block} at" in out.stdout
+    # the validation metrics the demo modules log (torchmetrics objects), printed at the end
+    final = next(line for line in out.stdout.splitlines() if line.startswith("final metrics:"))
+    assert all(f"{key}=" in final for key in ("train_loss", "val_loss", "val_ppl", "val_acc")), final
     assert any(tmp_path.rglob("events.out.tfevents.*"))

@@ -125,6 +125,7 @@ class HFCausalLMModule(CausalLMMixin, LightningModule):
         self.save_hyperparameters()
         shape = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions, vocab_size=vocab_size)
         self.model = tiny_gpt2(dropout=dropout, **shape) if arch == "gpt2" else tiny_llama(**shape)
+        self.add_validation_metrics(vocab_size)
 
     @property
     def vocab_size(self) -> int:
@@ -140,9 +141,10 @@ class HFCausalLMModule(CausalLMMixin, LightningModule):
         """Logits ``[B, T, vocab_size]`` for ``input_ids``; the KV cache stays off."""
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
-    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean cross-entropy of the logits against the already-shifted ``labels``."""
+    def logits_and_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[B, T, vocab_size]`` and their mean cross-entropy against the already-shifted ``labels``."""
         logits = self(batch["input_ids"], batch.get("attention_mask"))
-        return F.cross_entropy(
+        loss = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1), ignore_index=IGNORE_INDEX
         )
+        return logits, loss

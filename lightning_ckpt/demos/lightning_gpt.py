@@ -6,6 +6,10 @@ Batches everywhere in the demos are dicts::
 
 ``labels[b, t]`` is the target for position ``t`` (already shifted by one) and ``-100`` is ignored,
 so the loss is a plain cross-entropy over aligned positions for every demo model.
+
+The validation metrics are ``torchmetrics`` objects logged the Lightning way (``self.log(name, metric)``), the idiom
+to copy into a model of your own; the plugin's own figures take a different road (one collective for all of them,
+see :mod:`lightning_ckpt.lightning.metrics`).
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, Dataset
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
 
-from lightning_ckpt.demos.gpt import GPT, GPTConfig
+from lightning_ckpt.demos.gpt import GPT, IGNORE_INDEX, GPTConfig
 
 __all__ = [
     "DEFAULT_TEXT",
@@ -35,14 +41,36 @@ DEFAULT_TEXT = Path(__file__).parent / "data" / "ledger_essay.txt"
 class CausalLMMixin:
     """Shared training logic for the demo language models (one implementation, two models).
 
-    A subclass provides ``compute_loss(batch) -> Tensor``, ``vocab_size`` and ``max_seq_len``, and
-    saves ``lr`` and ``weight_decay`` among its hyper-parameters.
+    A subclass provides ``logits_and_loss(batch) -> (logits, loss)``, ``vocab_size`` and ``max_seq_len``, saves
+    ``lr`` and ``weight_decay`` among its hyper-parameters, and calls :meth:`add_validation_metrics` in its
+    ``__init__``.
 
-    Logged keys: ``train_loss`` (step, progress bar) and ``val_loss`` (epoch).
+    Logged keys: ``train_loss`` (step, progress bar); ``val_loss`` (epoch, progress bar: the mean of the batches'
+    mean losses); ``val_ppl`` (epoch, progress bar: token perplexity, the exponential of the mean cross-entropy over
+    every labelled token of the validation set); ``val_acc`` (epoch: next-token accuracy over the same tokens).
+    Positions labelled ``-100`` count in none of them. ``exp(val_loss)`` equals ``val_ppl`` only when every batch
+    holds the same number of labelled tokens.
     """
 
-    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # pragma: no cover
+    def logits_and_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover
         raise NotImplementedError
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy of a batch dict."""
+        return self.logits_and_loss(batch)[1]
+
+    def add_validation_metrics(self, num_classes: int) -> None:
+        """Register ``val_ppl`` and ``val_acc`` as attributes of the module.
+
+        As attributes (not in a plain dict or list) they are child modules: Lightning moves them with the model and
+        finds them when they are logged. Their states are not persistent, so ``state_dict()`` and checkpoints are
+        the same as without them.
+
+        Args:
+            num_classes: The vocabulary size (the number of classes next-token accuracy chooses from).
+        """
+        self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, ignore_index=IGNORE_INDEX, average="micro")
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(batch)
@@ -50,9 +78,21 @@ class CausalLMMixin:
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.compute_loss(batch)
+        logits, loss = self.logits_and_loss(batch)
+        labels = batch["labels"]
+        # update(), not forward: only the epoch value is logged, so nothing is computed per batch. Perplexity gets
+        # float32 logits because it takes the log of a softmax: on bf16 logits (bf16-true, or CPU autocast, which
+        # keeps softmax in bf16) that is off by about 1 %. .float() is free on float32 logits; the copies it and the
+        # softmax make are freed when update() returns, and the metric keeps two scalars.
+        self.val_ppl.update(logits.float(), labels)
+        # classes on dim 1, as torchmetrics expects: [B * T, V] is a view of the logits, not a copy
+        self.val_acc.update(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
         # sync_dist: an epoch-level metric should be the mean over ranks, not rank 0's share.
         self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].size(0))
+        # The metric objects themselves, not their values: Lightning calls compute() at the epoch end (torchmetrics
+        # sums the states over ranks there), logs the result and resets the metric for the next epoch.
+        self.log("val_ppl", self.val_ppl, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val_acc", self.val_acc, on_step=False, on_epoch=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -140,6 +180,7 @@ class GPTLightningModule(CausalLMMixin, LightningModule):
             bias=bias,
         )
         self.model = GPT(self.config)
+        self.add_validation_metrics(vocab_size)
 
     @classmethod
     def from_config(cls, config: GPTConfig, **kwargs: Any) -> GPTLightningModule:
@@ -158,10 +199,10 @@ class GPTLightningModule(CausalLMMixin, LightningModule):
         """Delegate to :meth:`GPT.forward`; returns ``(logits, loss)``."""
         return self.model(input_ids, labels)
 
-    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token cross-entropy of a batch dict (``attention_mask`` is implied causal)."""
-        _, loss = self.model(batch["input_ids"], batch["labels"])
-        return loss
+    def logits_and_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[B, T, vocab_size]`` and mean next-token cross-entropy of a batch dict (``attention_mask`` is
+        implied causal)."""
+        return self.model(batch["input_ids"], batch["labels"])
 
 
 class CharTokenizer:

@@ -123,6 +123,38 @@ def parse_dtype(name: Optional[str], arg: str = "--param-dtype") -> Optional[tor
     return _DTYPES[key]
 
 
+@contextlib.contextmanager
+def _deepcopy_under_fake_mode() -> Iterator[None]:
+    """``copy.deepcopy`` of a tensor works while the model is built under ``FakeTensorMode``.
+
+    Torch's own ``Tensor.__deepcopy__`` there makes the copy's shell fake and then sets a storage on it: for a real
+    tensor it refuses ("Attempted to set the storage of a tensor on device 'meta' to a storage on ... 'cpu'") and
+    leaves the heap corrupt (the process dies at exit), and a fake tensor made by ``torch.tensor(0.0)`` carries its
+    real value (``.constant``), so copying it copies a real tensor. A constructor meets it through torchmetrics,
+    whose ``add_state`` deep-copies each default: any ``LightningModule`` with a metric attribute
+    (``self.val_acc = Accuracy(...)``) failed to plan. Here a real tensor is copied with the fake mode switched
+    off, and a fake tensor as a fake clone (no storage to set; what the trace reads of it, shape, dtype, device and
+    ``requires_grad``, is the same).
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original = torch.Tensor.__deepcopy__
+
+    def deepcopy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
+        if not is_fake(tensor):
+            with unset_fake_temporarily():
+                return original(tensor, memo)
+        if id(tensor) not in memo:
+            memo[id(tensor)] = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+        return memo[id(tensor)]
+
+    torch.Tensor.__deepcopy__ = deepcopy
+    try:
+        yield
+    finally:
+        torch.Tensor.__deepcopy__ = original
+
+
 def forecast_model(
     target: Any,
     init_args: Optional[Dict[str, Any]] = None,
@@ -202,7 +234,7 @@ def forecast_model(
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with fake:
+        with fake, _deepcopy_under_fake_mode():
             model = build_model(target, init_args)
             if dtype is not None:
                 cast_floating(model, dtype)

@@ -53,6 +53,7 @@ def _measure(target, init_args):
     return peaks, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label, target, init_args", ARCHITECTURES, ids=[a[0] for a in ARCHITECTURES])
 def test_predicted_activation_peak_within_15_percent_and_model_state_exact(label, target, init_args):
     predicted = forecast_model(target, init_args, micro_batch=B, seq_len=T, policies=POLICIES)
@@ -74,6 +75,7 @@ def test_predicted_activation_peak_within_15_percent_and_model_state_exact(label
         assert predicted.peak[p] == max(predicted.phase_peaks[p].values()) >= predicted.model_state
 
 
+@pytest.mark.slow
 def test_lightning_module_is_planned_with_its_training_step_and_optimizer():
     small = dict(n_layer=2, n_embd=32, n_head=2, block_size=32)
     via_module = forecast_model("lightning_ckpt.demos.lightning_gpt:GPTLightningModule", small, micro_batch=2,
@@ -84,6 +86,7 @@ def test_lightning_module_is_planned_with_its_training_step_and_optimizer():
     assert via_module.params == via_factory.params and via_module.optimizer == via_factory.optimizer
 
 
+@pytest.mark.slow
 def test_7b_model_plans_without_allocating_it(tmp_path):
     """Llama-2-7B in fp32 is 25 GiB of parameters alone, more than this machine's memory; the plan only traces."""
     args = ["plan", "--model", "lightning_ckpt.demos.factories:llama_7b_config", "--seq-len", "1024",
@@ -108,6 +111,7 @@ def test_7b_model_plans_without_allocating_it(tmp_path):
     assert peak_rss < 3 * GiB
 
 
+@pytest.mark.slow
 def test_json_schema_from_model(capsys):
     args = ["plan", "--model", TINY, "--init-args", '{"n_layer": 2, "n_embd": 32}',
             "--micro-batch", "2", "--seq-len", "32", "--policies", "none,selective,all", "--capacity", "1MiB",
@@ -160,6 +164,7 @@ PRECISION_MODELS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-mixed+cache", "bf16-true"])
 @pytest.mark.parametrize("label, target, init_args", PRECISION_MODELS, ids=[m[0] for m in PRECISION_MODELS])
 def test_forecast_in_a_precision_matches_the_meter_in_that_precision(label, target, init_args, precision):
@@ -194,6 +199,7 @@ def test_forecast_in_a_precision_matches_the_meter_in_that_precision(label, targ
     assert forecast.precision == precision and (forecast.autocast_copies["none"] > 0) == ("mixed" in precision)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("foreach", [False, True], ids=["foreach off", "foreach on"])
 @pytest.mark.parametrize("label, target, init_args", PRECISION_MODELS, ids=[m[0] for m in PRECISION_MODELS])
 def test_phase_peaks_within_10_percent_of_a_real_step(label, target, init_args, foreach):
@@ -253,13 +259,19 @@ def test_hugging_face_sdpa_masks_are_decided_as_on_real_tensors():
     assert forecast.activations["none"] == box.reading.activations
 
 
+@pytest.mark.slow
 def test_plan_prints_the_device_and_the_three_phase_peaks(capsys):
     args = ["plan", "--model", TINY, "--init-args", '{"n_layer": 2, "n_embd": 32}', "--micro-batch", "2",
             "--seq-len", "32", "--policies", "none,all"]
     assert main(args + ["--capacity", "1GiB"]) == 0  # a GPU capacity: planned as CUDA saves, foreach on
     out = capsys.readouterr().out
     assert "device cuda (CUDA kernels' saved tensors, attention backend auto, torch's default optimizer step)" in out
-    assert "forward  backward optimizer  verdict (GiB; the highest phase decides)" in out
+    # a 2-block model's table in the unit that fits its largest line (KiB), named in both headers; sizes in
+    # sentences in theirs (not 'parameters 0.00' under 'GiB', not '0.000 B parameters')
+    assert "forward  backward optimizer  verdict (KiB; the highest phase decides)" in out
+    assert "line                         KiB   % of capacity\nparameters                119.50" in out
+    assert ": 30.6 K parameters, 2 blocks of Block" in out and "one hidden-width tensor: 8.0 KiB;" in out
+    assert "GiB" not in out.split("\n", 1)[1].split("largest replay")[0]
     assert "to spare at the forward peak" in out
     assert main(args + ["--json", "--no-foreach"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -317,3 +329,36 @@ def test_planned_phase_peaks_within_10_percent_of_the_cuda_allocator(precision):
     print("\n" + "\n".join(rows))
     for row in rows:
         assert abs(float(row.split("error ")[1].rstrip("%")) / 100) <= 0.10, rows
+
+
+
+def test_a_module_holding_torchmetrics_objects_is_planned_and_the_process_exits_cleanly():
+    """torchmetrics deep-copies each state's default; under the planner's fake mode torch's own deepcopy refused a
+    real tensor and left the heap corrupt (the process aborted at exit), so the check runs in a process of its own.
+    """
+    code = """
+import torch
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
+from lightning_ckpt.demos.factories import tiny_gpt
+from lightning_ckpt.forecast.trace import forecast_model
+
+class WithMetrics(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gpt = tiny_gpt(n_layer=2, n_embd=32)
+        self.ppl = Perplexity(ignore_index=-100)
+        self.acc = MulticlassAccuracy(num_classes=8, average="micro")
+
+    def forward(self, input_ids, labels=None):
+        return self.gpt(input_ids, labels)
+
+original = torch.Tensor.__deepcopy__
+metrics = forecast_model(WithMetrics, {}, micro_batch=2, seq_len=32, policies=("none", "all"))
+plain = forecast_model(tiny_gpt, dict(n_layer=2, n_embd=32), micro_batch=2, seq_len=32, policies=("none", "all"))
+assert metrics.activations == plain.activations and metrics.params == plain.params, (metrics, plain)
+assert torch.Tensor.__deepcopy__ is original
+print("planned")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "planned" in done.stdout, done.stderr[-2000:]
