@@ -66,6 +66,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_core_layers_import_and_run_with_lightning_blocked():
     code = """
 import sys
@@ -101,6 +102,7 @@ ORDERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", list(ORDERS))
 def test_importing_the_package_registers_the_strategies_in_either_order(order):
     first, second = ORDERS[order]
@@ -150,6 +152,7 @@ def test_no_layer_for_names_that_never_shipped(old):
         getattr(lightning_ckpt, old)
 
 
+@pytest.mark.slow
 def test_no_module_aliases_for_paths_that_never_shipped():
     code = """
 import importlib.util

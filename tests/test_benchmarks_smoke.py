@@ -22,6 +22,7 @@ POLICIES = ("none", "every:2", "group:sqrt", "selective", "all", "offload")
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_policies_quick_json(tmp_path):
     out = tmp_path / "policies.json"
@@ -63,6 +64,7 @@ def _frontier(tmp_path, *args, timeout):
     return proc.stdout, case
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_frontier_quick_json(tmp_path):
     """``benchmarks/frontier.py --quick`` on the GPT in float32: every anchor measured, our plan at every budget
@@ -76,6 +78,7 @@ def test_frontier_quick_json(tmp_path):
         assert row["fits"] and row["peak"] <= row["budget"] and row["verdict"] in ("PASS", "TIE", "MISS"), row
 
 
+@pytest.mark.slow
 @needs_compiler_budget
 @pytest.mark.timeout(400)
 def test_frontier_compiled_rows_at_block_grain(tmp_path):
@@ -101,6 +104,7 @@ def test_frontier_compiled_rows_at_block_grain(tmp_path):
         assert row["verdict"].split()[0] in ("PASS", "TIE", "MISS"), row
 
 
+@pytest.mark.slow
 @needs_compiler_budget
 @pytest.mark.timeout(400)
 def test_frontier_compiled_rows_for_a_whole_model_compile_split_by_compile_blocks(tmp_path):

@@ -96,6 +96,7 @@ def _assert_grads_equal(model, grads):
         torch.testing.assert_close(p.grad, grads[name.replace("_orig_mod.", "")], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["model after plan", "model before plan", "block by block", "block wrappers"])
 def test_every_policy_compiles_recomputes_and_matches_eager(reference, how):
     model, grads = reference
@@ -121,6 +122,7 @@ def _breaks(model) -> int:
     return torch._dynamo.explain(model)(idx, idx).graph_break_count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p not in BREAKS_ALLOWED])
 def test_the_wrapper_adds_no_graph_break(reference, policy):
     model, _ = reference
@@ -139,6 +141,7 @@ def test_group_regions_run_eagerly_under_compile_and_stay_correct(reference):
     _assert_grads_equal(compiled, grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["all", "selective", "every:2"])
 def test_the_inductor_cpp_backend(reference, policy):
     model, grads = reference
@@ -147,6 +150,7 @@ def test_the_inductor_cpp_backend(reference, policy):
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)  # fused kernels
 
 
+@pytest.mark.slow
 def test_changing_the_plan_recompiles_once_per_plan_and_reuses_a_plan_that_comes_back(reference):
     model, _ = reference
     torch._dynamo.reset()
@@ -181,6 +185,7 @@ def _saved_bytes(model, run) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.slow
 @needs_compiler_budget
 def test_the_compilers_budget_per_block_keeps_less_and_matches_eager(reference):
     """``compiler:<f>`` blocks compiled one by one: the partitioner keeps less as ``f`` falls (``0`` keeps what a full

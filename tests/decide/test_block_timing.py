@@ -111,6 +111,7 @@ class _Counting:
                                     partition_fn=min_cut_rematerialization_partition)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_with_compiled_blocks_the_calibration_prices_modes_on_the_compiled_graphs(precision, monkeypatch):
@@ -157,6 +158,7 @@ def test_with_compiled_blocks_the_calibration_prices_modes_on_the_compiled_graph
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.slow
 @needs_compiler_budget
 def test_saved_block_bytes_sees_what_the_compiled_graph_keeps():
     model = _gpt(n_layer=2, n_embd=32, block_size=32, dropout=0.0)
@@ -179,6 +181,7 @@ def test_saved_block_bytes_sees_what_the_compiled_graph_keeps():
     assert kept["off"] < box.reading.activations  # one block compiled keeps less than the whole model eagerly
 
 
+@pytest.mark.slow
 @needs_compiler_budget
 @pytest.mark.timeout(300)
 def test_the_compilers_budgets_are_priced_measured_and_verified_against_the_eager_reference():

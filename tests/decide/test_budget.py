@@ -77,6 +77,7 @@ def test_generous_budget_checkpoints_nothing():
     assert plan.modes == ("off",) * 6 and plan.recompute_s == 0
 
 
+@pytest.mark.slow
 def test_budget_policy_in_a_trainer_calibrates_then_fits(tmp_path):
     from _lightning_models import TinyTransformer, trainer_kwargs
     from lightning.pytorch import Callback, Trainer, seed_everything
@@ -178,6 +179,7 @@ def _brute_force(costs, budget, base, modes):
     return best
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(12))
 def test_mixed_mode_solver_is_optimal_against_brute_force(seed):
     import random
@@ -272,6 +274,7 @@ def _calibrated_step(module, precision: str):
     return calibration, measure
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_the_calibrated_peak_model_predicts_plans_it_never_ran(arch, precision):
@@ -322,6 +325,7 @@ def test_mixed_plans_keep_float32_gradients_bitwise(modes):
     assert all(torch.equal(a, b) for a, b in zip(plain, mixed))
 
 
+@pytest.mark.slow
 def test_budget_plan_is_explained_in_the_summary_the_report_and_tensorboard_tags(tmp_path):
     import json
 
@@ -476,6 +480,7 @@ def _fit_under(tmp_path, capacity, policy, modes=None, steps=3, callbacks=(), on
     return cb, device, peaks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("room", ["just above all", "one block off"])
 def test_a_budget_on_a_card_that_only_just_holds_all_completes_its_calibration_and_fits(tmp_path, room):
     """The device holds every block recomputed ('all') and, in the second case, also one block off (the last, whose

@@ -778,6 +778,7 @@ E2E = [
 E2E = [row if len(row) == 6 else (*row, A100) for row in E2E]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation, dtype, backend, cache, attention, gpu", E2E,
                          ids=[f"{i}-{str(d)[6:]}-{b}-{'cache' if c else 'nocache'}-{g.name}"
                               for i, d, b, c, _, g in E2E])
@@ -798,6 +799,7 @@ PLAN_CASES = [("bf16-true", "auto", "flash"), ("bf16-true", "efficient", "effici
               ("bf16-true", "math", "math")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, backend, attention", PLAN_CASES, ids=[f"{p}-{b}" for p, b, _ in PLAN_CASES])
 def test_plan_device_cuda_adds_a_layer_of_the_hand_derived_bytes(precision, backend, attention):
     """End to end through the planner (``forecast_model(device="cuda")``, a training step without a cache, as

@@ -15,6 +15,7 @@ TINY = json.dumps(dict(n_layer=4, n_embd=64, n_head=4, block_size=64))
 KiB = 1024
 
 
+@pytest.mark.slow
 def test_frontier_command_writes_its_files_and_every_plan_fits_its_budget(tmp_path, capsys):
     out = tmp_path / "fr"
     assert main(["frontier", GPT, "--init-args", TINY, "--micro-batch", "2", "--seq-len", "64", "--budgets", "4",
@@ -55,6 +56,7 @@ def test_parse_budgets():
     assert parse_budgets("2MiB,1MiB") == [1024 * KiB, 2048 * KiB]
 
 
+@pytest.mark.slow
 def test_a_budget_below_the_smallest_feasible_is_refused_naming_it(tmp_path):
     report = frontier(GPT, TINY, micro_batch=2, seq_len=64, budgets="1KiB,64MiB", rounds=1, anchors=("none", "all"),
                       out=str(tmp_path), plot=False)
@@ -70,6 +72,7 @@ def test_an_anchor_must_be_a_fixed_mode(tmp_path, capsys):
     assert "--anchors: 'budget:1MiB' is not a fixed mode" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @needs_compiler_budget
 @pytest.mark.timeout(300)
 def test_with_blocks_compiled_the_compilers_budget_per_block_joins_the_modes(tmp_path):

@@ -334,6 +334,7 @@ def test_plan_says_which_cudnn_it_assumed(capsys):
     assert "assumption: no --cudnn given: assumed cuDNN" in out
 
 
+@pytest.mark.slow
 def test_plan_model_prints_the_traced_calls_backend(capsys):
     args = ["plan", "--model", "lightning_ckpt.demos.factories:gpt2_config", "--init-args",
             json.dumps(dict(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=96, dropout=0.0,

@@ -49,6 +49,7 @@ def _model(counter=None):
     return CompiledGPT(counter, **kwargs) if counter is not None else GPTLightningModule(**kwargs)
 
 
+@pytest.mark.slow
 def test_one_graph_per_distinct_plan_and_reuse_when_a_plan_comes_back(tmp_path):
     counter = GraphCount()
     model = _model(counter)
@@ -76,6 +77,7 @@ def test_compiled_training_with_auto_toggle_equals_the_eager_run(tmp_path):
         torch.testing.assert_close(params[key], value, rtol=1e-4, atol=1e-5, msg=key)
 
 
+@pytest.mark.slow
 def test_budget_under_compile_calibrates_eagerly_and_compiles_the_chosen_plan_once(tmp_path):
     counter = GraphCount()
     model = _model(counter)
@@ -92,6 +94,7 @@ def test_budget_under_compile_calibrates_eagerly_and_compiles_the_chosen_plan_on
     assert 3 + 1 <= counter.graphs <= 3 + 2, counter.graphs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["inductor"])
 def test_the_cpp_backend_trains_with_a_changing_plan(tmp_path, backend):
     class Inductor(GPTLightningModule):
@@ -106,6 +109,7 @@ def test_the_cpp_backend_trains_with_a_changing_plan(tmp_path, backend):
     assert cb.last_metrics["memory/activations_gib"] > 0
 
 
+@pytest.mark.slow
 @needs_compiler_budget
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("precision, accumulate", [("32-true", 1), ("bf16-mixed", 2)])

@@ -157,6 +157,7 @@ def test_compiler_modes_in_a_whole_model_graph_are_refused_naming_compile_blocks
         _fit(tmp_path, _model(GraphCount()), ActivationCheckpointing(policy="modes:off,compiler:0.5"))
 
 
+@pytest.mark.slow
 @needs_compiler_budget
 @pytest.mark.parametrize("precision, accumulate", [("32-true", 1), ("bf16-mixed", 2)])
 def test_compile_blocks_lets_a_whole_model_compile_use_the_compilers_budget_per_block(tmp_path, precision,

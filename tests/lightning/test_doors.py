@@ -67,6 +67,7 @@ def test_the_registered_name_is_the_callback_with_its_defaults(tmp_path, capsys)
         {k: v for k, v in callback.last_metrics.items() if k not in drop}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_the_same_scenario_through_every_door_gives_the_same_product(tmp_path, capsys, scenario):
     kwargs = SCENARIOS[scenario]

@@ -45,6 +45,7 @@ def _fit(tmp_path, model, policy, steps=3):
     return cb
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("foreach", [False, True], ids=["foreach off", "foreach on"])
 def test_logged_phase_peaks_match_the_forecast(tmp_path, foreach, capsys):
     policies = ("none", "every:2", "all")
@@ -89,6 +90,7 @@ def _fit_kwargs(tmp_path, steps, **extra):
                           num_sanity_val_steps=0, **extra)
 
 
+@pytest.mark.slow
 def test_phase_peaks_in_bf16_mixed_match_the_forecast_in_that_precision(tmp_path):
     """Under Lightning's bf16-mixed (autocast, weight cache off) the phase peaks include autocast's weight copies
     while they live; the forecast traced in the same precision agrees within 10 %."""
