@@ -170,3 +170,26 @@ def test_compile_benchmark_leaves_gradient_buffers_out_of_the_activation_peak():
     assert 32 * KiB <= activation_peak < 256 * KiB, activation_peak
     for p in params:  # the hooks are removed
         assert not p._backward_hooks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("extra", [["--model", "gpt2"], ["--log-every", "3"]], ids=["host gpt2", "interval 3"])
+def test_overhead_host_and_interval_runs_follow_the_schedule_and_write_their_verdict(tmp_path, extra):
+    """``--host`` keeps the model's structure with its arithmetic shrunk and judges host time per measured step;
+    ``--log-every N`` measures one step in each block of N (the script asserts that schedule itself)."""
+    out = tmp_path / "overhead.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--host", "--rounds", "2", "--json", str(out),
+         *extra],
+        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=170,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    n = int(extra[1]) if extra[0] == "--log-every" else 1
+    assert data["host"] and data["log_every"] == n and len(data["step_s"]) == (4 + 4 * 2) * n
+    if n == 1:  # the host-time verdict, against the model's own target
+        assert data["host_target_ms"] == 3.0 and "host time added per measured step" in proc.stdout
+        assert "Hugging Face GPT-2 2x64" in proc.stdout
+    else:  # at an interval the verdict is the step-time ratio
+        assert data["host_target_ms"] is None and data["target"] == 1.02

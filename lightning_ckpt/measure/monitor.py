@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.measure.clock import EventClock, HostClock, clock_for
-from lightning_ckpt.measure.ledger import Ledger, build_ledger
+from lightning_ckpt.measure.ledger import Ledger, ModelStateWalk, build_ledger
 from lightning_ckpt.measure.meter import StepMeter, StepReading
 from lightning_ckpt.measure.tokens import count_samples, count_tokens
 
@@ -100,6 +100,7 @@ class StepMonitor:
         self._open = False
         self._ledger_wanted = False
         self._counting = False
+        self._state_walk = ModelStateWalk()  # the model state, walked again only when its make-up changes
 
     def watch(self, model: nn.Module) -> None:
         self.meter.watch(model)
@@ -166,8 +167,10 @@ class StepMonitor:
         ledger = None
         if self._ledger_wanted:
             self._measured += 1
-            ledger = build_ledger(model, list(optimizers), reading, capacity=self.capacity, device=self.meter.device,
-                                  allocator_note=self.allocator_note)
+            optimizers = list(optimizers)
+            state = self._state_walk(model, optimizers, device=self.meter.device)
+            ledger = build_ledger(model, optimizers, reading, capacity=self.capacity, device=self.meter.device,
+                                  allocator_note=self.allocator_note, state=state)
         # a token count on the GPU is read only on logging steps: reading it waits for the device
         tokens = int(self._tokens) if self._counting and self._tokens is not None else None
         return StepResult(reading, ledger, tokens, self._samples, step_s, checkpointed_blocks)

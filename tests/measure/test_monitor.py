@@ -256,3 +256,28 @@ def test_quiet_steps_never_synchronize_on_cuda(monkeypatch):
             torch.cuda.set_sync_debug_mode("default")
         assert waits["n"] - before == (1 if read else 0)
         assert (result.step_s is not None) == read
+
+
+def test_steady_measured_steps_reuse_the_model_state_walk(monkeypatch):
+    """Each ledger used to walk every parameter, gradient and optimizer tensor (most of a measured step's host
+    time); steady steps now reuse the walk and the ledgers still read the exact model state."""
+    import lightning_ckpt.measure.ledger as ledger
+
+    calls = []
+    walk = ledger.model_state_bytes
+    monkeypatch.setattr(ledger, "model_state_bytes", lambda *a, **k: calls.append(1) or walk(*a, **k))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters())
+    monitor = StepMonitor("cpu")
+    ledgers = []
+    for _ in range(6):
+        monitor.begin_step(measure=True)
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        ledgers.append(monitor.end_step(model, [opt], 0).ledger)
+    assert len(calls) == 1  # a ledger is read after the optimizer step: AdamW's state is there from the first
+    state = walk(model, [opt])
+    assert state.optimizer > 0 and state.grads > 0
+    assert all((lg.params, lg.grads, lg.optimizer) == (state.params, state.grads, state.optimizer) for lg in ledgers)
