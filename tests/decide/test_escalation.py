@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _torch_features import needs_compiler_budget
 
 from lightning_ckpt.core.policy import ModesPolicy, parse_policy
 from lightning_ckpt.core.units import MiB
@@ -46,6 +47,7 @@ def test_a_rung_that_does_not_fit_the_model_is_skipped():
     assert next_rung(_layout("none"), ("none", "blocks:7", "all"), accelerator=False) == "all"
 
 
+@needs_compiler_budget
 def test_the_compilers_budget_per_block_ranks_with_selective_or_recompute():
     budget = ModesPolicy(("compiler:0.5", "compiler:0", "off", "selective")).layout(4)
     assert block_strength(budget, accelerator=False) == (1, 3, 0, 1)

@@ -81,6 +81,16 @@ def test_module_entry_point_runs():
     assert json.loads(out)["model_state"] == 20_800_000_000
 
 
+def test_module_entry_point_in_process(monkeypatch, capsys):
+    """``python -m lightning_ckpt`` without a new interpreter: the fast tier covers ``__main__`` too."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["lightning_ckpt", *SEED, "--json"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("lightning_ckpt", run_name="__main__")
+    assert done.value.code == 0 and json.loads(capsys.readouterr().out)["model_state"] == 20_800_000_000
+
+
 def test_phase_peaks_from_numbers_and_the_foreach_temporary():
     fused = _seed_plan()
     assert fused.phase_peaks["all"]["optimizer"] == fused.model_state  # a fused step holds no temporaries
