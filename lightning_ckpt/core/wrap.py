@@ -377,6 +377,12 @@ class CheckpointPlan:
             raise ValueError(f"{len(notes)} notes given for {self.num_blocks} blocks; give one per block.")
         self._notes = (self.layout, tuple(notes))
 
+    @property
+    def notes(self) -> Tuple[str, ...]:
+        """The planner's notes of the current layout (:meth:`annotate`), ``()`` when there are none."""
+        layout, notes = getattr(self, "_notes", (None, ()))
+        return notes if layout is self.layout else ()
+
     def summary(self) -> str:
         """A small table: block, class, mode, region, and a planner's note per block when there is one."""
         region_of = {id(f): r for r in self._regions for f in r.members}

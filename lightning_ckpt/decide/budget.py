@@ -320,11 +320,15 @@ class BudgetCalibration:
             keep are measured on the compiled block alone; an eager step runs them as ``off``, so a caller checking
             the plan with an eager figure subtracts their measured savings (:meth:`compiled_savings`) first, as the
             callback does.
+        times: run the time stages (``False``: bytes only, every time 0, e.g. when pricing a shape on fake
+            tensors, :mod:`lightning_ckpt.decide.pricing`).
+        choose: choose and apply a plan when the stages are over (``False``: measure only; :meth:`costs` and
+            :attr:`base` hold what was measured).
     """
 
     def __init__(self, plan, meter, budget: int, synchronize=None, apply=None,
                  modes: Sequence[str] = ("recompute", "selective"), block_caller=None, repeats: int = 5,
-                 compiler_fractions: Sequence[float] = ()) -> None:
+                 compiler_fractions: Sequence[float] = (), times: bool = True, choose: bool = True) -> None:
         self.plan, self.meter, self.budget = plan, meter, budget
         self.synchronize = synchronize or (lambda: None)
         self.apply = apply or plan.set_modes
@@ -337,7 +341,8 @@ class BudgetCalibration:
         self.compiler_modes = _compiler_modes(compiler_fractions, block_caller)
         # every block recomputed first: its peak is a replay in backward, which tells the backward base apart
         self.block_caller, self.repeats = block_caller, repeats
-        kinds = ("bytes",) if block_caller is not None else ("bytes", "time")
+        kinds = ("bytes",) if block_caller is not None or not times else ("bytes", "time")
+        self._choosing, self._timing = choose, times
         n = plan.num_blocks
 
         def alternate(mode: str, parity: int) -> Tuple[str, ...]:  # the mode on blocks i % 2 == parity, else off
@@ -436,13 +441,30 @@ class BudgetCalibration:
             self.stage += 1
 
     def run(self, step: Callable[[bool], int]) -> None:
-        """Calibrate outside a training loop (the frontier command, benchmarks, tests): ``step(exact)`` runs one
-        optimizer step, measured exactly when ``exact``, and returns its activation peak; the plan is chosen at
-        the end (the verifying step is the caller's)."""
+        """Calibrate outside a training loop (the frontier command, benchmarks, tests, the pricing of a shape):
+        ``step(exact)`` runs one optimizer step, measured exactly when ``exact``, and returns its activation peak;
+        the plan is chosen at the end (the verifying step is the caller's)."""
         while self.calibrating:
             self.begin_step()
             if self.calibrating:  # begin_step may have replaced the last stages by none, and chosen
                 self.end_step(step(self.exact_step))
+
+    def discard_step(self) -> None:
+        """The step in flight is no stage's (a micro-batch of another shape ran in it, under a plan of its own):
+        what it measured is taken back, :meth:`end_step` ignores it, and the stage runs again on the next step."""
+        if self.done:
+            return
+        self._open.clear()
+        if self.calibrating and self._snapshot is not None:
+            self._restore(self._snapshot)
+        elif not self.calibrating and self.chosen is not None:  # the verifying step: verify on the next one
+            self._reapply = True
+        self._failed = True
+
+    @property
+    def stage_modes(self) -> Optional[Tuple[str, ...]]:
+        """The modes of the stage in flight (``None`` when not calibrating)."""
+        return tuple(self.stages[self.stage][1]) if self.calibrating else None
 
     def out_of_memory(self) -> None:
         """The step in flight ran out of memory; the caller retries it under a stronger plan of its own choosing
@@ -491,7 +513,10 @@ class BudgetCalibration:
         # what the blocks do not explain (embeddings, logits, loss), forward and backward apart
         self._base = self._fit_base([list(m) for m, _ in self._calibration_peaks],
                                     [peak for _, peak in self._calibration_peaks])
-        self._choose(self.budget)
+        if self._choosing:
+            self._choose(self.budget)
+        else:  # measured only: nothing is chosen, nothing is verified
+            self.stage = len(self.stages) + 1
 
     # -- out of memory: stages that do not fit, and what replaces them
     def _note_unfit(self, modes: Sequence[str]) -> None:
@@ -675,6 +700,8 @@ class BudgetCalibration:
         """Seconds ``mode`` adds to block ``i`` per step: its forward's extra time over ``off`` plus its replay."""
         if mode not in self.modes:
             return None
+        if not self._timing:  # bytes only: every mode priced at no time
+            return 0.0
         if self.block_caller is not None:
             return self.block_seconds.get(type(self.plan.blocks[i]).__name__, {}).get(mode)
         forward, replay = self._shared(self.forward_seconds[mode], i), self._shared(self.mode_seconds[mode], i)

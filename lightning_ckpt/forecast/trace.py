@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.core.policy import parse_policy
 from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing
+from lightning_ckpt.decide.pricing import hf_masks_as_on_real_tensors
 from lightning_ckpt.forecast.load import TORCH_OPTIMIZERS, build_model, lightning_step, make_batch, make_optimizers
 from lightning_ckpt.forecast.numbers import DTYPE_BYTES, LedgerForecast, crossing_line, phase_crossing
 from lightning_ckpt.forecast.precision import Precision, parse_precision
@@ -310,27 +310,6 @@ def forecast_model(
     )
 
 
-@contextlib.contextmanager
-def _hf_masks_as_on_real_tensors() -> Iterator[None]:
-    """Hugging Face's mask builder treats a fake tensor as tracing: it cannot read the position ids, assumes packed
-    sequences and materialises the causal mask, which a real step skips (``is_causal=True``, the flash kernel on
-    CUDA). The traced batch holds one sequence per row, as the synthetic batch does, so it is not packed."""
-    masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-
-    def as_real(position_ids):
-        return None if is_fake(position_ids) else original(position_ids)
-
-    masking.find_packed_sequence_indices = as_real
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
-
-
 def _default_foreach(device: str, foreach: Optional[bool]) -> Optional[bool]:
     """torch's optimizers default to ``foreach`` on CUDA only; the trace runs on CPU fake tensors, so say it."""
     if foreach is None and device == "cuda":
@@ -342,12 +321,12 @@ def _semantics(device: str, sdpa_backend: str, precision: Precision, gpu: Any = 
                sdpa_log: Optional[list] = None) -> Callable[[], ContextManager]:
     """What the trace runs under so that autograd saves what ``device`` would save."""
     if device == "cpu":
-        return _hf_masks_as_on_real_tensors
+        return hf_masks_as_on_real_tensors
     from lightning_ckpt.forecast.cuda import cuda_semantics
 
     @contextlib.contextmanager
     def semantics() -> Iterator[None]:
-        with _hf_masks_as_on_real_tensors(), cuda_semantics(sdpa_backend, precision.autocast_dtype, gpu, sdpa_log):
+        with hf_masks_as_on_real_tensors(), cuda_semantics(sdpa_backend, precision.autocast_dtype, gpu, sdpa_log):
             yield
 
     return semantics

@@ -86,6 +86,12 @@ class ActivationCheckpointing(Callback):
             whole-model graph a checkpointed model holds 17-26 % more activation memory than eager and the budget
             cannot use the compiler's budget per block (``compiler:<f>``); per block, both are as eager measures
             them (:mod:`lightning_ckpt.lightning.compiled`).
+        max_shape: the longest batch the run can see, micro-batch first (``"4x2048"``, ``[4, 2048]``; an
+            encoder-decoder ``"4x512x128"``), for ``budget:``: before the first step a budget no plan meets there
+            raises. ``None``: the model's maximum positions (its config's ``max_position_embeddings``,
+            ``n_positions`` or ``block_size``) with the first batch's micro-batch.
+        shape_fn: ``shape_fn(batch) -> (micro-batch, length, ...)`` when the batch's shape cannot be read from it
+            (:func:`lightning_ckpt.decide.shapes.shape_of` reads token ids, masks, encoder-decoder and image batches).
 
     Attributes:
         plan: the :class:`~lightning_ckpt.core.wrap.CheckpointPlan` once applied (``None`` before ``fit``).
@@ -133,7 +139,12 @@ class ActivationCheckpointing(Callback):
     ``selective``, ``recompute`` or (CUDA) ``offload`` for the fastest plan whose predicted activation peak fits,
     the next step is measured against the prediction, and the plan is corrected once if it does not fit. The plan
     explains itself in ``callback.plan.summary()``, the report, and ``blocks/NN_kept_gib`` /
-    ``blocks/NN_replay_gib``. With the whole model under ``torch.compile`` a one-time warning points to
+    ``blocks/NN_replay_gib``. **Per batch shape**: before each micro-batch's forward its shape's bucket (powers of
+    two) gets a plan of its own, from the same solver on that shape's costs — priced on fake tensors of the model
+    itself, carried into the device's units by the calibration — so a batch longer than any before it is planned
+    before it runs and a shorter one pays no recompute it does not need; ``callback.shape_plans`` holds them, the
+    report has a table, and ``shape/samples``, ``shape/length`` and ``memory/prediction_error_ratio`` are logged
+    (:mod:`lightning_ckpt.lightning.shaped`). With the whole model under ``torch.compile`` a one-time warning points to
     ``compile_blocks=True`` (or compiling block by block yourself), or to the compiler's own
     ``activation_memory_budget``.
 
@@ -175,6 +186,8 @@ class ActivationCheckpointing(Callback):
         verify: bool = False,
         report: bool = True,
         compile_blocks: bool = False,
+        max_shape: Optional[Union[str, List[int]]] = None,
+        shape_fn: Optional[Callable[[Any], Any]] = None,
     ) -> None:
         settings = Settings(policy=policy, blocks=blocks, preserve_rng_state=preserve_rng_state,
                             determinism_check=determinism_check, debug=debug, measure=measure,
@@ -182,7 +195,7 @@ class ActivationCheckpointing(Callback):
                             auto_threshold=auto_threshold, capacity=capacity, ladder=ladder, release=release,
                             cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom,
                             stateful=stateful, verify=verify, report=report,
-                            compile_blocks=compile_blocks)
+                            compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn)
         setattr(self, ENGINE_ATTR, CheckpointingEngine(settings, owner=type(self).__name__))
 
     # ------------------------------------------------------------------------------------------ what users read
@@ -219,6 +232,14 @@ class ActivationCheckpointing(Callback):
     @property
     def calibration(self):
         return self._engine.calibration
+
+    @property
+    def shape_plans(self) -> Dict[Any, Any]:
+        """With ``budget:``: each batch-shape bucket's plan (:class:`~lightning_ckpt.decide.shape_plans.BucketPlan`:
+        per-block modes, predicted and last measured activation peak, steps, step time, tokens/s), keyed by the
+        bucket's :class:`~lightning_ckpt.decide.shapes.Shape`; empty otherwise."""
+        shapes = self._engine.shapes
+        return dict(shapes.planner.plans) if shapes is not None else {}
 
     def report(self, trainer: Optional["pl.Trainer"] = None) -> str:
         """The ledger report of the last measured step; with ``trainer`` (call it on every rank under DDP) rank

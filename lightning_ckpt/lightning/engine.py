@@ -33,6 +33,7 @@ from lightning_ckpt.decide.diagnosis import PhaseTracker
 from lightning_ckpt.decide.escalation import host_room, offload_refusal
 from lightning_ckpt.decide.report import ledger_report, length_reading, report_text
 from lightning_ckpt.decide.safety import preflight
+from lightning_ckpt.decide.shapes import bucket_of, shape_of
 from lightning_ckpt.decide.verify import verify_equivalence
 from lightning_ckpt.lightning import conflicts, shims
 from lightning_ckpt.lightning.compiled import (
@@ -45,6 +46,7 @@ from lightning_ckpt.lightning.compiled import (
 from lightning_ckpt.lightning.metrics import block_metrics, log_metrics, reduce_across_ranks, tensorboard_layout
 from lightning_ckpt.lightning.recovery import StepGuard
 from lightning_ckpt.lightning.settings import Settings
+from lightning_ckpt.lightning.shaped import ShapeSteps
 from lightning_ckpt.measure.ledger import state_tensors
 from lightning_ckpt.measure.meter import device_capacity
 from lightning_ckpt.measure.monitor import StepMonitor, StepResult
@@ -89,6 +91,7 @@ class CheckpointingEngine:
         self.controller: Optional[Controller] = None
         self.monitor: Optional[StepMonitor] = None
         self.calibration: Optional[BudgetCalibration] = None
+        self.shapes: Optional[ShapeSteps] = None  # budget: the plan per batch shape
         self.phase = PhaseTracker()
         self.guard = StepGuard(self)
         self.capacity: Optional[int] = settings.capacity_bytes
@@ -101,7 +104,9 @@ class CheckpointingEngine:
         self._warned_infeasible = False
         self._handles: list = []  # forward pre-hook, replay hook
         self._logging = self._deciding = False
-        self._by_length: Dict[int, float] = {}  # sequence length -> activation bytes per sample (report)
+        # per plan (modes): sequence length -> activation bytes per sample, for the report's reading of how they grow
+        # (one plan's lengths only: with per-shape plans a longer batch runs a stronger plan)
+        self._by_length: Dict[tuple, Dict[int, float]] = {}
         self._batch_shape: Optional[tuple] = None
 
     # ------------------------------------------------------------------------------------------ describing
@@ -202,6 +207,9 @@ class CheckpointingEngine:
                 is None else ()
             self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
                                                  modes=modes, block_caller=caller, compiler_fractions=fractions)
+            if caller is None and not one_graph:  # compiled blocks keep one plan (see lightning/shaped.py)
+                self.shapes = ShapeSteps(self, budget, modes)
+                self.shapes.setup(trainer)
             if one_graph:
                 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -284,29 +292,36 @@ class CheckpointingEngine:
         if not self.monitor.in_step:
             self._batch_shape = (sequence_length(batch), count_samples(batch))
             calibrating = self.calibration is not None and not self.calibration.done
-            if calibrating:
+            if self.shapes is not None:  # the bucket's plan; the calibration's stage on its own bucket
+                self.shapes.before_micro_batch(trainer, batch, first=True)
+            elif calibrating:
                 self.calibration.begin_step()
             self._logging, self._deciding = self._step_kind(trainer)
             # block hooks measure the calibration steps: compiled code runs eagerly for them
             measured = self._logging or self._deciding or calibrating
             self.monitor.begin_step(measure=measured, key=self._step_key(trainer, batch) if measured else None,
+                                    size=shape_of(batch, self.settings.shape_fn).tokens if measured else None,
                                     eager=calibrating, tokens=self._logging,
                                     state=_step_tensors(pl_module, trainer.optimizers, batch),
                                     exact=self.calibration.exact_step if calibrating else None,
                                     hidden_recompute=bool(compiler_modes(self.plan.modes)))
         else:  # the next micro-batch of an accumulation window
+            if self.shapes is not None:
+                self.shapes.before_micro_batch(trainer, batch, first=False)
             self.monitor.phase("forward")
         self.monitor.add_batch(batch)
 
     def _step_key(self, trainer: "pl.Trainer", batch: Any) -> tuple:
-        """What determines a step's memory: the plan, the batch's shapes, the precision, the accumulation, and
-        whether the optimizer state exists yet (the first step creates it: its phase peaks are not the steady
-        state's, so the second step is the steady state's reference)."""
+        """What determines a step's memory: the plan, the batch's shape bucket and dtypes (not its exact shape:
+        with dynamic padding every length would be a new key, each first step of a key an exact, slow one), the
+        precision, the accumulation, and whether the optimizer state exists yet (the first step creates it: its
+        phase peaks are not the steady state's, so the second step is the steady state's reference)."""
         plan = self.plan
         layout = (plan.modes, plan.layout.groups, plan.layout.save_ops) if plan is not None else None
-        shapes = tuple((tuple(t.shape), t.dtype) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
+        dtypes = tuple(t.dtype for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
+        bucket = bucket_of(shape_of(batch, self.settings.shape_fn))
         steady = all(bool(getattr(opt, "state", None)) for opt in trainer.optimizers)
-        return layout, shapes, str(trainer.precision), trainer.accumulate_grad_batches, steady
+        return layout, bucket, dtypes, str(trainer.precision), trainer.accumulate_grad_batches, steady
 
     def _step_kind(self, trainer: "pl.Trainer") -> tuple:
         """(logging step, decision step) for the optimizer step that starts now."""
@@ -346,6 +361,8 @@ class CheckpointingEngine:
         result = self.monitor.end_step(pl_module, trainer.optimizers, plan.num_checkpointed if plan else 0)
         if result.ledger is None:
             self.last_result = result
+            if self.shapes is not None:
+                self.shapes.after_step(None, None, None, {}, self._key)
             return
         result = self._as_compiled(result)
         self.last_result = result
@@ -360,6 +377,10 @@ class CheckpointingEngine:
             metrics[self._key("checkpointing/level")] = float(self.controller.level)
         if self.calibration is not None and self.calibration.chosen is not None:  # this rank's plan: not reduced
             metrics.update(block_metrics(self.calibration.chosen, self.settings.prefix))
+        if self.shapes is not None:
+            reading = metrics.get(self._key("memory/activations_gib"))
+            self.shapes.after_step(None if reading is None else round(reading * GiB), result.step_s,
+                                   metrics.get(self._key("throughput/tokens_per_sec")), metrics, self._key)
         self.last_metrics = metrics
         if self._logging:
             log_metrics(trainer, metrics, self.settings.prefix)
@@ -371,6 +392,8 @@ class CheckpointingEngine:
                 self.info(message)
             self.calibration.messages.clear()
             self._warn_if_infeasible()
+            if self.shapes is not None and self.calibration.done:
+                self.shapes.calibration_done()
 
     def _warn_if_infeasible(self) -> None:
         """A budget no plan meets is a warning (rank zero, once) naming the smallest feasible budget."""
@@ -398,7 +421,8 @@ class CheckpointingEngine:
         length, samples = self._batch_shape or (None, 0)
         if length and samples and result.ledger.activations:
             per_sample = result.ledger.activations / samples
-            self._by_length[length] = max(self._by_length.get(length, 0.0), per_sample)
+            lengths = self._by_length.setdefault(self.plan.modes if self.plan is not None else (), {})
+            lengths[length] = max(lengths.get(length, 0.0), per_sample)
 
     def _decide(self, trainer: "pl.Trainer", metrics: Dict[str, float]) -> None:
         reading = metrics.get(self._key("memory/activations_gib"))
@@ -459,7 +483,8 @@ class CheckpointingEngine:
         if self.last_result is None or self.last_result.ledger is None:
             return "lightning_ckpt: no step has been measured yet."
         plan = self.plan
-        reading = length_reading(sorted(self._by_length.items()))
+        widest = max(self._by_length.values(), key=len, default={})  # the plan seen at the most lengths
+        reading = length_reading(sorted(widest.items()))
         data = ledger_report(self.last_result.ledger, plan.spec if plan else "none", self.settings.ladder,
                              history={"activations_vs_seq_len": reading} if reading else None,
                              all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks))
@@ -470,12 +495,18 @@ class CheckpointingEngine:
                 "smallest_budget": chosen.smallest_budget, "added_s": chosen.recompute_s,
                 "blocks": [{"mode": c.mode, "kept": c.kept, "saves": off.kept - c.kept, "replay": c.replay,
                             "seconds": c.seconds} for c, off in chosen.choices]}
+        if self.shapes is not None and self.shapes.planner.plans:
+            data["shape_plans"] = self.shapes.report()
         folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None
         if folder is not None and trainer.is_global_zero:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, REPORT_FILE), "w") as fh:
                 json.dump(data, fh, indent=2)
-        return report_text(data) + (f"\n  per block, as the budget chose:\n{chosen.summary()}" if chosen else "")
+        text = report_text(data) + (f"\n  per block, as the budget chose:\n{chosen.summary()}" if chosen else "")
+        if "shape_plans" in data:
+            text += "\n  per batch shape (micro-batch x length, buckets of powers of two):\n" + \
+                self.shapes.planner.table()
+        return text
 
     def release(self, trainer: "pl.Trainer") -> None:
         """Remove every hook and shim this engine installed (teardown, or a run that raised)."""
@@ -486,6 +517,8 @@ class CheckpointingEngine:
             release_host_memory(self.plan)
         if self.calibration is not None:  # a run that ends while calibrating leaves no hook behind
             self.calibration.close()
+        if self.shapes is not None:
+            self.shapes.close()
         if self.monitor is not None:
             self.monitor.close()
 

@@ -18,6 +18,7 @@ from lightning_ckpt.core.units import parse_size, parse_size_or_fraction
 from lightning_ckpt.core.wrap import CheckpointOptions, validate_options
 from lightning_ckpt.decide.controller import DEFAULT_LADDER, Controller, resolve_threshold
 from lightning_ckpt.decide.safety import STATEFUL_CHOICES
+from lightning_ckpt.decide.shapes import Shape, parse_shape
 
 __all__ = ["ON_OOM", "Settings"]
 
@@ -50,10 +51,13 @@ class Settings:
     verify: bool = False
     report: bool = True
     compile_blocks: bool = False
+    max_shape: Union[str, Sequence[int], None] = None
+    shape_fn: Optional[Callable[[Any], Any]] = None
     start: Policy = field(init=False)
     budget: Optional[BudgetPolicy] = field(init=False)
     options: CheckpointOptions = field(init=False)
     capacity_bytes: Optional[int] = field(init=False)
+    shape_cap: Optional[Shape] = field(init=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -63,6 +67,7 @@ class Settings:
         self._check_choices()
         set_(self, "capacity_bytes", None if self.capacity is None else parse_size(self.capacity, name="capacity"))
         set_(self, "budget", self._budget_policy())
+        set_(self, "shape_cap", parse_shape(self.max_shape, name="max_shape"))
         set_(self, "start", parse_policy("every:2") if self.budget is not None else self._starting_policy())
         if self.auto_threshold is not None:  # threshold, release and cooldown checked now, not at the first step
             fraction = isinstance(parse_size_or_fraction(self.auto_threshold, name="auto_threshold"), float)
@@ -99,6 +104,9 @@ class Settings:
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.tokens_fn is not None and not callable(self.tokens_fn):
             raise TypeError(f"tokens_fn={self.tokens_fn!r} must be a function batch -> number of tokens, or None.")
+        if self.shape_fn is not None and not callable(self.shape_fn):
+            raise TypeError(f"shape_fn={self.shape_fn!r} must be a function batch -> (micro-batch, length, ...) "
+                            "integers, or None.")
         for rung in self.ladder:
             if isinstance(parse_policy(rung), BudgetPolicy):
                 raise ValueError(f"ladder rung {rung!r}: a budget policy cannot be a rung; use fixed policies.")

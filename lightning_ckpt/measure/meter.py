@@ -283,6 +283,7 @@ class StepMeter:
         self._replay_handle = None
         self._stance: Any = None
         self._key: Any = None
+        self._size: Optional[float] = None  # the open step's batch size (tokens), to scale a reference's correction
         self._total: Optional[LiveBytes] = None  # every storage of the step, on exact CPU steps (phases)
         self._phase: Optional[str] = None
         self._phased = False
@@ -344,7 +345,8 @@ class StepMeter:
 
     # -- the step
     def start_step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
-                   eager: bool = False, state: Iterable[torch.Tensor] = (), hidden_recompute: bool = False) -> None:
+                   eager: bool = False, state: Iterable[torch.Tensor] = (), hidden_recompute: bool = False,
+                   size: Optional[float] = None) -> None:
         """Reset the allocator peaks (no sync) and start counting activations.
 
         Args:
@@ -358,6 +360,9 @@ class StepMeter:
             hidden_recompute: the step recomputes inside compiled graphs where no replay is reported (blocks under
                 the compiler's own budget, ``compiler:<f>``): a step after the reference reports the reference's
                 figure, as when replays go unseen, since its saved-tensor figure lacks those transients.
+            size: how big the step's batch is (its tokens), when a key covers batches of several sizes (a bucket of
+                shapes): a later step's correction is the reference's scaled by ``size / reference size`` (the
+                temporaries it stands for, such as the logits' upcast, grow with the batch).
         """
         if self._open:
             warnings.warn("lightning_ckpt: StepMeter.start_step() called while a step was open; the open step "
@@ -372,6 +377,7 @@ class StepMeter:
         self._replays = self._calibrations = 0
         self._replay_depth = 0
         self._hidden_recompute = hidden_recompute
+        self._size = size
         if exact or eager:
             self._stance = _force_eager()
         if activations or exact:
@@ -435,7 +441,8 @@ class StepMeter:
         activations, copies = (exact, live.copies_peak) if live is not None else (estimate, None)
         key, reference, eager_figure = self._key, False, exact is not None
         if key is not None and exact is not None:
-            self._references[key] = _Reference(exact, live.copies_peak, exact - estimate, self._replays, phases)
+            self._references[key] = _Reference(exact, live.copies_peak, exact - estimate, self._replays, phases,
+                                               self._size)
             reference = True
         elif key is not None and estimate is not None:
             ref = self._references[key]
@@ -443,7 +450,8 @@ class StepMeter:
             phases = phases or dict(ref.phases)
             # replays unseen (compiled backward): the saved-tensor figure lacks the transient; the reference has it
             eager_figure = self._replays != ref.replays or self._hidden_recompute
-            activations = ref.exact if eager_figure else estimate + ref.offset
+            scale = self._size / ref.size if self._size and ref.size else 1.0  # a bucket's batches differ in size
+            activations = round(ref.exact * scale) if eager_figure else estimate + round(ref.offset * scale)
         reading = StepReading(
             activations=activations,
             peak_allocated=peak_allocated,
@@ -600,6 +608,7 @@ class _Reference:
     offset: int
     replays: int
     phases: Dict[str, int]
+    size: Optional[float] = None
 
 
 class _ReadingBox:

@@ -1,0 +1,319 @@
+"""``budget:`` per batch shape at the Lightning edge: the plan for each micro-batch, chosen before its forward.
+
+The engine (:mod:`lightning_ckpt.lightning.engine`) owns one :class:`ShapeSteps` when the policy is a budget. Before
+every micro-batch's forward (``on_train_batch_start``) it reads the batch's bucket
+(:mod:`lightning_ckpt.decide.shapes`), agrees on it across ranks, and sets that bucket's plan
+(:class:`~lightning_ckpt.decide.shape_plans.ShapePlanner`), through the engine's one way of changing modes. Modes
+change between one micro-batch's backward and the next forward, so each micro-batch of an accumulation window may
+have its own plan.
+
+- **The calibration's shape.** The budget's calibration (:class:`~lightning_ckpt.decide.budget.BudgetCalibration`)
+  runs its stages on batches of the first batch's exact shape (its per-block bytes are that shape's). A step of
+  another shape during it runs under its bucket's own plan, priced on fake tensors, and is no stage (the stage runs
+  again on the next step of the calibration's shape). With lengths that never repeat, pad to a multiple (a collator's
+  ``pad_to_multiple_of=64``) so that the calibration's shape comes back.
+- **Before the first step**, the longest shape the run can see — ``max_shape``, or the model's maximum positions
+  (``config.max_position_embeddings``, ``n_positions``, ``block_size``) with the first batch's micro-batch — is
+  priced, and a budget no plan meets there raises, naming the smallest feasible budget and that shape.
+- **Several processes**: the shape is the maximum over ranks, dimension by dimension (one all-reduce of a few
+  integers on a CPU process group, no device sync), and each new plan is rank zero's (one broadcast when a bucket is
+  planned), so every rank runs the same plan in the same step.
+- **A model that cannot be traced on fake tensors** (a step that reads parameter values, FSDP's sharded parameters):
+  a warning says so once, and a bucket's bytes are the calibration's scaled by its token ratio, squared above the
+  calibration's shape (an attention matrix grows with the square of the length; never an optimistic guess).
+
+Logged (with the engine's figures, on measured steps): ``shape/samples``, ``shape/length`` (the bucket's first
+length), ``memory/prediction_error_ratio`` (measured / predicted activation peak − 1, on measured steps of a
+planned bucket).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
+
+import torch
+
+from lightning_ckpt.core.units import format_bytes
+from lightning_ckpt.decide.budget import BlockCost
+from lightning_ckpt.decide.pricing import PricingError, ShapeCosts, price_shape, trace_plans
+from lightning_ckpt.decide.shape_plans import BucketPlan, ShapePlanner
+from lightning_ckpt.decide.shapes import Shape, bucket_of, resize_batch, shape_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+__all__ = ["ShapeSteps", "model_max_length"]
+
+_MAX_POSITION_NAMES = ("max_position_embeddings", "n_positions", "block_size", "max_seq_len", "max_len",
+                       "seq_length", "n_ctx")
+
+
+def model_max_length(model: torch.nn.Module) -> Optional[int]:
+    """The longest sequence the model takes, read from its (or a submodule's) config or attributes; ``None`` when
+    it says nothing."""
+    for module in model.modules():
+        for holder in (getattr(module, "config", None), module):
+            for name in _MAX_POSITION_NAMES:
+                value = getattr(holder, name, None) if holder is not None else None
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return None
+
+
+@contextlib.contextmanager
+def _silenced_logging(module: Any) -> Iterator[None]:
+    """``self.log`` / ``self.log_dict`` do nothing for the duration (a priced step's loss is a fake tensor)."""
+    module.log = module.log_dict = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    raise PricingError("training_step returned no loss tensor (manual optimization?)")
+
+
+class ShapeSteps:
+    """The per-shape plans of one run (see the module docstring).
+
+    Args:
+        engine: the :class:`~lightning_ckpt.lightning.engine.CheckpointingEngine` that owns it.
+        budget: the activation budget in bytes.
+        modes: the modes the plan may mix with ``off``.
+    """
+
+    def __init__(self, engine: Any, budget: int, modes: Tuple[str, ...]) -> None:
+        self.engine = engine
+        self.budget = budget
+        self.modes = tuple(m for m in modes if m != "offload")  # offload moves bytes off the device: not priced
+        self.planner = ShapePlanner(budget, self.modes, self._price, self._trace)
+        self.bucket: Optional[Shape] = None  # the bucket of the micro-batch in flight
+        self.calibration_shape: Optional[Shape] = None  # the exact shape the calibration's stages run at
+        self._discarded = False  # the step in flight is no calibration stage
+        self._source: Optional[Tuple[Any, Shape]] = None  # a real batch and its shape, resized to price a bucket
+        self._step_buckets: set = set()
+        self._step_shapes: set = set()
+        self._checked = False
+        self._fallback: Optional[str] = None  # why pricing on fake tensors failed
+        self._group: Any = None
+        self.errors: Dict[Shape, float] = {}
+
+    # ------------------------------------------------------------------------------------------ pricing
+    def _price(self, bucket: Shape) -> ShapeCosts:
+        if self._fallback is None:
+            try:
+                return self._price_fake(bucket)
+            except PricingError as err:
+                self._fallback = str(err)
+                from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+                rank_zero_warn(f"lightning_ckpt: per-shape plans price a bucket from the calibration scaled by its "
+                               f"tokens (squared above its shape) instead of tracing it: {err}")
+        return self._price_scaled(bucket)
+
+    def _fake_args(self, bucket: Shape) -> tuple:
+        """What a step on fake tensors at ``bucket``'s shape runs: the module, its plan, the loss, a batch of that
+        shape, and the precision's context."""
+        module = self.engine.module
+        batch, shape = self._source
+
+        def loss_fn(b: Any) -> torch.Tensor:
+            with _silenced_logging(module):
+                return _loss_of(module.training_step(b, 0))
+
+        return (module, self.engine.plan, loss_fn, resize_batch(batch, shape, bucket),
+                module.trainer.strategy.precision_plugin.train_step_context)
+
+    def _price_fake(self, bucket: Shape) -> ShapeCosts:
+        module, plan, loss_fn, batch, context = self._fake_args(bucket)
+        return price_shape(module, plan, loss_fn, batch, self.modes, context=context)
+
+    def _trace(self, bucket: Shape, plans) -> list:
+        """The traced peak of each plan at ``bucket``'s shape (without fake tracing: the scaled model's)."""
+        if self._fallback is not None:
+            return [self.planner.predict(bucket, modes) for modes in plans]
+        module, plan, loss_fn, batch, context = self._fake_args(bucket)
+        try:
+            return trace_plans(module, plan, loss_fn, batch, plans, context=context)
+        except PricingError:
+            return [self.planner.predict(bucket, modes) for modes in plans]
+
+    def _price_scaled(self, bucket: Shape) -> ShapeCosts:
+        """No fake trace: the calibration's bytes times the token ratio, squared above its shape (pessimistic)."""
+        measured = self.engine.calibration
+        if measured is None or not measured.done or self.calibration_shape is None:
+            raise PricingError(self._fallback or "nothing measured yet")
+        ratio = bucket.tokens / self.calibration_shape.tokens
+        lengths = max((a / b for a, b in zip(bucket.lengths, self.calibration_shape.lengths)), default=1.0)
+        factor = ratio * max(lengths, 1.0) if ratio > 1 else ratio
+
+        def scaled(cost: BlockCost) -> BlockCost:
+            import dataclasses
+
+            fields = {name: None if getattr(cost, name) is None else math.ceil(getattr(cost, name) * factor)
+                      for name in ("interior", "boundary", "selective_kept", "recompute_replay", "selective_replay")}
+            return dataclasses.replace(cost, **fields)
+
+        base = measured.base
+        return ShapeCosts(tuple(scaled(c) for c in measured.costs()),
+                          (math.ceil(base[0] * factor), math.ceil(base[1] * factor)))
+
+    # ------------------------------------------------------------------------------------------ the micro-batch
+    def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
+        """Set the plan of this micro-batch's bucket (``first``: the first micro-batch of an optimizer step)."""
+        shape = self._agree(trainer, shape_of(batch, self.engine.settings.shape_fn))
+        bucket = bucket_of(shape, self._cap(shape))
+        if self._source is None or shape.tokens > self._source[1].tokens:
+            self._source = (batch, shape)  # a real batch to resize: the longest seen (repetition fills the rest)
+        if first:
+            self._step_buckets, self._step_shapes, self._discarded = set(), set(), False
+        self._step_buckets.add(bucket)
+        self._step_shapes.add(shape)
+        self.bucket = bucket
+        if not self._checked:
+            self._checked = True
+            self._check_longest(trainer, shape, bucket)
+        calibration = self.engine.calibration
+        if self.calibration_shape is None:
+            self.calibration_shape = shape
+        if not calibration.done and shape == self.calibration_shape and not self._discarded:
+            if first:
+                calibration.begin_step()
+                return
+            expected = calibration.stage_modes or (calibration.chosen.modes if calibration.chosen else None)
+            if self.engine.plan.modes == expected:
+                return
+        if not calibration.done and not self._discarded:
+            self._discarded = True
+            calibration.discard_step()  # no stage: it runs again on the next step of its shape
+        self._apply(self._plan(trainer, bucket))
+
+    def _cap(self, shape: Shape) -> Optional[Shape]:
+        cap = self.engine.settings.shape_cap
+        if cap is None:
+            length = model_max_length(self.engine.module) if self.engine.module is not None else None
+            cap = Shape(bucket_of(Shape(shape.samples)).samples, (length,) * len(shape.lengths)) if length else None
+        return cap if cap is not None and len(cap.lengths) == len(shape.lengths) else None
+
+    def _check_longest(self, trainer: "pl.Trainer", shape: Shape, bucket: Shape) -> None:
+        """Before the first step: a budget no plan meets at the longest shape fails now (module docstring)."""
+        cap = self._cap(shape)
+        if cap is None or not cap.covers(bucket):
+            return
+        floor = self._smallest(cap)
+        if floor is not None and floor > self.budget:
+            raise ValueError(
+                f"lightning_ckpt: raise the budget to at least {format_bytes(floor)}, pass a shorter max_shape (the "
+                f"longest batch your data has) or a smaller micro-batch: policy "
+                f"{self.engine.settings.budget.spec!r} cannot be met at the longest shape this run can see, "
+                f"{cap} (micro-batch x length), where the smallest feasible activation budget is "
+                f"{format_bytes(floor)}.")
+
+    def _smallest(self, bucket: Shape) -> Optional[int]:
+        try:
+            return self.planner.smallest_budget(bucket)
+        except PricingError:
+            return None
+
+    def _plan(self, trainer: "pl.Trainer", bucket: Shape) -> BucketPlan:
+        """The bucket's plan; rank zero's under several processes."""
+        new = bucket not in self.planner.plans
+        try:
+            plan = self.planner.plan(bucket)
+        except PricingError:  # nothing to price it with yet: every block recomputed
+            plan = BucketPlan(bucket, ("recompute",) * self.engine.plan.num_blocks, 0, False, 0, "unpriced")
+            self.planner.plans[bucket] = plan
+        if new and trainer.world_size > 1:
+            plan.modes = self._broadcast(plan.modes)
+        if new:
+            self.engine.info(f"bucket {bucket}: {_describe(plan)}")
+        return plan
+
+    def _apply(self, plan: BucketPlan) -> None:
+        if self.engine.plan.modes != plan.modes:
+            self.engine.set_modes(plan.modes)
+
+    # ------------------------------------------------------------------------------------------ the step's end
+    def calibration_done(self) -> None:
+        """The calibration chose and verified its plan: it becomes the reference of the memory model."""
+        calibration = self.engine.calibration
+        self.planner.set_reference(self.calibration_shape, calibration.costs(), calibration.base,
+                                   calibration.chosen, measured=dict(calibration.measured_plans),
+                                   measured_peak=calibration.measured)
+
+    def after_step(self, activations: Optional[int], step_s: Optional[float], tokens_per_sec: Optional[float],
+                   metrics: Dict[str, float], key) -> None:
+        """A step ended: count it in its bucket and, measured, check the bucket's prediction."""
+        calibration = self.engine.calibration
+        bucket = max(self._step_buckets, key=lambda b: b.tokens) if self._step_buckets else None
+        if bucket is None or not calibration.done:
+            return
+        # micro-batches of several shapes: the figure is the step's, not one shape's
+        mixed = len(self._step_shapes) > 1
+        shape = next(iter(self._step_shapes)) if self._step_shapes else None
+        error = self.planner.observe(bucket, self.engine.plan.modes, None if mixed else activations, step_s,
+                                     tokens_per_sec, shape=None if mixed else shape)
+        metrics[key("shape/samples")] = float(bucket.samples)
+        if bucket.lengths:
+            metrics[key("shape/length")] = float(bucket.lengths[0])
+        if error is not None:
+            self.errors[bucket] = error
+            metrics[key("memory/prediction_error_ratio")] = error
+
+    def report(self) -> Dict[str, Any]:
+        """The ``shape_plans`` of the report JSON: the bucket rule and, per bucket, its plan and what it did."""
+        return {"rule": "each dimension rounded up to a power of two (lengths at least 8), capped by max_shape",
+                "calibration_shape": str(self.calibration_shape) if self.calibration_shape else None,
+                "fallback": self._fallback,
+                "buckets": {str(b): p.as_dict() for b, p in sorted(self.planner.plans.items())}}
+
+    # ------------------------------------------------------------------------------------------ ranks
+    def _process_group(self) -> Any:
+        import torch.distributed as dist
+
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _agree(self, trainer: "pl.Trainer", shape: Shape) -> Shape:
+        """The largest shape over the ranks (each dimension's maximum), so every rank plans the same step alike."""
+        if trainer.world_size <= 1:
+            return shape
+        import torch.distributed as dist
+
+        dims = torch.tensor([shape.samples, *shape.lengths], dtype=torch.int64)
+        dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=self._process_group())
+        values = [int(v) for v in dims.tolist()]
+        return Shape(values[0], tuple(values[1:]))
+
+    def _broadcast(self, modes: Tuple[str, ...]) -> Tuple[str, ...]:
+        import torch.distributed as dist
+
+        box = [list(modes)]
+        dist.broadcast_object_list(box, src=0, group=self._process_group())
+        return tuple(box[0])
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Before the first step, on every rank at once: the CPU process group the agreement uses."""
+        if trainer.world_size > 1:
+            self._process_group()
+
+    def close(self) -> None:
+        self._group = None
+        self._source = None
+
+
+def _describe(plan: BucketPlan) -> str:
+    from lightning_ckpt.decide.budget import mode_mix
+
+    fits = "fits" if plan.fits else f"does NOT fit (smallest feasible {format_bytes(plan.smallest_budget)})"
+    return (f"{mode_mix(plan.modes)}, predicted activation peak {format_bytes(plan.predicted_peak)} ({plan.source}; "
+            f"{fits})")
+
