@@ -352,3 +352,45 @@ class CompiledGPT(GPTLightningModule):
     def configure_model(self) -> None:
         if not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
             self.model = torch.compile(self.model, backend=self.counter.backend)
+
+
+class RankLengthsGPT(GPTLightningModule):
+    """The demo GPT fed batches of different lengths on each rank (``lengths[rank]``, micro-batch 2): the ranks
+    must still run the same plan in each step."""
+
+    def __init__(self, lengths, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.lengths = lengths
+
+    def train_dataloader(self):
+        rank = self.trainer.global_rank
+        g = torch.Generator().manual_seed(rank)
+        batches = []
+        for length in self.lengths[rank]:
+            ids = torch.randint(0, self.config.vocab_size, (2, length + 1), generator=g)
+            batches.append({"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()})
+        return torch.utils.data.DataLoader(batches, batch_size=None)
+
+
+class DumpModes(Callback):
+    """Writes each rank's per-step plan modes, its parameters and its shape plans to ``out_dir/rank{r}.pt``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.modes = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lengths = batch["input_ids"].shape[1]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        plan = getattr(pl_module, "_lightning_ckpt_plan", None)
+        self.modes.append((self.lengths, tuple(plan.modes)))
+
+    def on_train_end(self, trainer, pl_module):
+        from lightning_ckpt import ActivationCheckpointing
+
+        (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
+        torch.save({"modes": self.modes, "params": params_of(pl_module),
+                    "buckets": {str(b): list(p.modes) for b, p in cb.shape_plans.items()},
+                    "errors": {str(b): p.error for b, p in cb.shape_plans.items() if p.source == "fake"}},
+                   f"{self.out_dir}/rank{trainer.global_rank}.pt")

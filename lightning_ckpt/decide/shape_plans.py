@@ -73,10 +73,12 @@ class BucketPlan:
     error: Optional[float] = None
     step_s: Optional[float] = None
     tokens_per_sec: Optional[float] = None
+    stale: bool = False
 
     def as_dict(self) -> Dict[str, object]:
         """JSON-ready (the report's ``shape_plans``)."""
         out = dataclasses.asdict(self)
+        out.pop("stale")
         out["bucket"] = str(self.bucket)
         out["modes"] = list(self.modes)
         return out
@@ -244,8 +246,9 @@ class ShapePlanner:
         """The bucket's plan: the solver's choice on the bucket's costs, each choice traced (with ``trace``) before
         it is kept, its traced peak its prediction; chosen on first use, and again after a measured step read above
         its prediction."""
-        if bucket in self.plans:
-            return self.plans[bucket]
+        old = self.plans.get(bucket)
+        if old is not None and not old.stale:
+            return old
         costs, base, source = self.costs(bucket)
         known = self.known(bucket)
         chosen = plan_budget(costs, self.budget, base=base, modes=self.modes, measured=known)
@@ -258,10 +261,13 @@ class ShapePlanner:
             known = self.known(bucket)
             chosen = plan_budget(costs, self.budget, base=base, modes=self.modes, measured=known)
         peak = known.get(tuple(chosen.modes), chosen.predicted_peak)
-        self.plans[bucket] = BucketPlan(bucket, tuple(chosen.modes), peak, peak <= self.budget,
-                                        chosen.smallest_budget, source,
-                                        steps=self._steps_before.pop(bucket, 0))
-        return self.plans[bucket]
+        new = BucketPlan(bucket, tuple(chosen.modes), peak, peak <= self.budget, chosen.smallest_budget, source,
+                         steps=self._steps_before.pop(bucket, 0))
+        if old is not None:  # chosen again: what the bucket did stays
+            new.steps, new.measured_peak, new.error = old.steps, old.measured_peak, old.error
+            new.step_s, new.tokens_per_sec = old.step_s, old.tokens_per_sec
+        self.plans[bucket] = new
+        return new
 
     def observe(self, bucket: Shape, modes: Sequence[str], measured: Optional[int], step_s: Optional[float] = None,
                 tokens_per_sec: Optional[float] = None, shape: Optional[Shape] = None) -> Optional[float]:
@@ -269,7 +275,8 @@ class ShapePlanner:
         with a measured activation peak check the prediction for that shape (returns ``measured / predicted − 1``;
         ``None`` without a figure). At the bucket's own shape the reading becomes the plan's known peak there; a
         reading above the prediction at another shape raises the bucket's predictions by the difference. Either way
-        a plan now predicted over the budget is chosen again next time."""
+        a plan now predicted over the budget is marked ``stale``: :meth:`plan` chooses it again on the bucket's next
+        step."""
         plan = self.plans.get(bucket)
         if plan is None:
             return None
@@ -287,14 +294,9 @@ class ShapePlanner:
         elif measured > predicted:
             scale = self.predict(bucket, modes) / predicted if predicted else 1.0
             self._raise[bucket] = self._raise.get(bucket, 0) + round((measured - predicted) * scale)
-        if modes == plan.modes and self.predict(bucket, modes) > self.budget:
-            seen = dataclasses.replace(plan)
-            del self.plans[bucket]
-            new = self.plan(bucket)
-            new.steps, new.measured_peak, new.error = seen.steps, seen.measured_peak, seen.error
-            new.step_s, new.tokens_per_sec = seen.step_s, seen.tokens_per_sec
-        elif modes == plan.modes:
+        if modes == plan.modes:
             plan.predicted_peak = self.predict(bucket, modes)
+            plan.stale = plan.predicted_peak > self.budget  # chosen again before the bucket's next step
         return error
 
     def table(self) -> str:

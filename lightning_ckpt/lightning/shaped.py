@@ -168,10 +168,11 @@ class ShapeSteps:
     # ------------------------------------------------------------------------------------------ the micro-batch
     def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
         """Set the plan of this micro-batch's bucket (``first``: the first micro-batch of an optimizer step)."""
-        shape = self._agree(trainer, shape_of(batch, self.engine.settings.shape_fn))
+        local = shape_of(batch, self.engine.settings.shape_fn)
+        shape = self._agree(trainer, local)  # the step's shape: the largest over the ranks
         bucket = bucket_of(shape, self._cap(shape))
-        if self._source is None or shape.tokens > self._source[1].tokens:
-            self._source = (batch, shape)  # a real batch to resize: the longest seen (repetition fills the rest)
+        if self._source is None or local.tokens > self._source[1].tokens:
+            self._source = (batch, local)  # a real batch to resize: this rank's longest (repetition fills the rest)
         if first:
             self._step_buckets, self._step_shapes, self._discarded = set(), set(), False
         self._step_buckets.add(bucket)
@@ -224,7 +225,8 @@ class ShapeSteps:
 
     def _plan(self, trainer: "pl.Trainer", bucket: Shape) -> BucketPlan:
         """The bucket's plan; rank zero's under several processes."""
-        new = bucket not in self.planner.plans
+        old = self.planner.plans.get(bucket)
+        new = old is None or old.stale
         try:
             plan = self.planner.plan(bucket)
         except PricingError:  # nothing to price it with yet: every block recomputed
@@ -233,7 +235,9 @@ class ShapeSteps:
         if new and trainer.world_size > 1:
             plan.modes = self._broadcast(plan.modes)
         if new:
-            self.engine.info(f"bucket {bucket}: {_describe(plan)}")
+            again = "" if old is None else (f" (chosen again: a step read {format_bytes(old.measured_peak or 0)}, its "
+                                            "plan is now predicted over the budget)")
+            self.engine.info(f"bucket {bucket}: {_describe(plan)}{again}")
         return plan
 
     def _apply(self, plan: BucketPlan) -> None:

@@ -124,7 +124,9 @@ def test_a_failed_pricing_leaves_no_hook_behind():
     before = list(replay._REPLAY_HOOKS)
     hooks = [len(b._forward_pre_hooks) + len(b._forward_hooks) for b in plan.blocks]
 
-    def fails_in_the_third_step(batch, calls=[]):
+    calls = []
+
+    def fails_in_the_third_step(batch):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("boom")
