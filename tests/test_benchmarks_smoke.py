@@ -193,3 +193,20 @@ def test_overhead_host_and_interval_runs_follow_the_schedule_and_write_their_ver
         assert "Hugging Face GPT-2 2x64" in proc.stdout
     else:  # at an interval the verdict is the step-time ratio
         assert data["host_target_ms"] is None and data["target"] == 1.02
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_shapes_quick_compares_the_three_ways_and_writes_every_verdicts_figure(tmp_path):
+    out = tmp_path / "shapes.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "shapes.py"), "--quick", "--models", "gpt", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=290,
+    )
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a MISS (--quick is noise)
+    (case,) = json.loads(out.read_text())
+    assert set(case["tokens_per_s"]) == {"per shape", "one plan", "anchor"}
+    assert case["worst"] > 0 and case["budget"] > 0 and case["rows"] and case["curriculum"]["peak"] > 0
+    assert all(abs(r["error"]) < 0.05 for r in case["rows"])  # CPU: the trace is the meter's own count
+    for word in ("(a)/(c) tokens/s", "largest step peak (MemTracker)", "prediction error", "curriculum"):
+        assert word in proc.stdout

@@ -377,6 +377,10 @@ class CheckpointPlan:
             raise ValueError(f"{len(notes)} notes given for {self.num_blocks} blocks; give one per block.")
         self._notes = (self.layout, tuple(notes))
 
+    context: str = ""
+    """A planner's line under the table, for as long as it plans (the budget's bucket rule and this step's
+    bucket)."""
+
     @property
     def notes(self) -> Tuple[str, ...]:
         """The planner's notes of the current layout (:meth:`annotate`), ``()`` when there are none."""
@@ -400,6 +404,8 @@ class CheckpointPlan:
         layout, notes = getattr(self, "_notes", (None, ()))
         if notes and layout is self.layout:  # notes of an earlier plan say nothing about this one
             lines = lines[:2] + [f"{row:<90}  {note}" for row, note in zip(lines[2:], notes)]
+        if self.context:
+            lines.append(f"  {self.context}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -46,6 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ShapeSteps", "model_max_length"]
 
+RULE = "buckets: each dimension rounded up to a power of two, lengths at least 8, capped by max_shape"
+
 _MAX_POSITION_NAMES = ("max_position_embeddings", "n_positions", "block_size", "max_seq_len", "max_len",
                        "seq_length", "n_ctx")
 
@@ -234,6 +236,13 @@ class ShapeSteps:
             self.planner.plans[bucket] = plan
         if new and trainer.world_size > 1:
             plan.modes = self._broadcast(plan.modes)
+        if new and not plan.fits and plan.source != "unpriced":
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(f"lightning_ckpt: raise the budget to at least {format_bytes(plan.smallest_budget)}, or "
+                           f"shorten batches of shape {bucket} (micro-batch x length): no plan meets "
+                           f"{self.engine.settings.budget.spec!r} there, so they run under the plan with the lowest "
+                           f"predicted activation peak, {format_bytes(plan.predicted_peak)}.")
         if new:
             again = "" if old is None else (f" (chosen again: a step read {format_bytes(old.measured_peak or 0)}, its "
                                             "plan is now predicted over the budget)")
@@ -243,6 +252,9 @@ class ShapeSteps:
     def _apply(self, plan: BucketPlan) -> None:
         if self.engine.plan.modes != plan.modes:
             self.engine.set_modes(plan.modes)
+        self.engine.plan.context = (f"planned per batch shape ({RULE}): bucket {plan.bucket}, predicted activation "
+                                    f"peak {format_bytes(plan.predicted_peak)} of the budget "
+                                    f"{format_bytes(self.budget)}")
 
     # ------------------------------------------------------------------------------------------ the step's end
     def calibration_done(self) -> None:
@@ -273,7 +285,7 @@ class ShapeSteps:
 
     def report(self) -> Dict[str, Any]:
         """The ``shape_plans`` of the report JSON: the bucket rule and, per bucket, its plan and what it did."""
-        return {"rule": "each dimension rounded up to a power of two (lengths at least 8), capped by max_shape",
+        return {"rule": RULE,
                 "calibration_shape": str(self.calibration_shape) if self.calibration_shape else None,
                 "fallback": self._fallback,
                 "buckets": {str(b): p.as_dict() for b, p in sorted(self.planner.plans.items())}}
