@@ -506,6 +506,9 @@ class CheckpointingEngine:
         if "shape_plans" in data:
             text += "\n  per batch shape (micro-batch x length, buckets of powers of two):\n" + \
                 self.shapes.planner.table()
+            cache = data["shape_plans"].get("cache")
+            if cache and cache["advice"]:
+                text += f"\n  - {cache['advice']}"
         return text
 
     def release(self, trainer: "pl.Trainer") -> None:

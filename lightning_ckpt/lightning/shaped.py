@@ -24,18 +24,20 @@ have its own plan.
 
 Logged (with the engine's figures, on measured steps): ``shape/samples``, ``shape/length`` (the bucket's first
 length), ``memory/prediction_error_ratio`` (measured / predicted activation peak − 1, on measured steps of a
-planned bucket).
+planned bucket). On CUDA the allocator's cache (``memory/cache_gib``) is followed over the run: varying shapes
+fragment the caching allocator, and a cache that grew by more than 5 % of capacity (at least 256 MiB) is reported
+with the fix (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from lightning_ckpt.core.units import format_bytes
+from lightning_ckpt.core.units import GiB, format_bytes
 from lightning_ckpt.decide.budget import BlockCost
 from lightning_ckpt.decide.pricing import PricingError, ShapeCosts, price_shape, trace_plans
 from lightning_ckpt.decide.shape_plans import BucketPlan, ShapePlanner
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ShapeSteps", "model_max_length"]
 
+CACHE_GROWTH = 0.05  # of capacity: a cache that grew by more than this over the run is reported as fragmentation
 RULE = "buckets: each dimension rounded up to a power of two, lengths at least 8, capped by max_shape"
 
 _MAX_POSITION_NAMES = ("max_position_embeddings", "n_positions", "block_size", "max_seq_len", "max_len",
@@ -106,6 +109,7 @@ class ShapeSteps:
         self._fallback: Optional[str] = None  # why pricing on fake tensors failed
         self._group: Any = None
         self.errors: Dict[Shape, float] = {}
+        self.cache: List[float] = []  # memory/cache_gib of the measured steps, in bytes
 
     # ------------------------------------------------------------------------------------------ pricing
     def _price(self, bucket: Shape) -> ShapeCosts:
@@ -282,13 +286,31 @@ class ShapeSteps:
         if error is not None:
             self.errors[bucket] = error
             metrics[key("memory/prediction_error_ratio")] = error
+        cache = metrics.get(key("memory/cache_gib"))
+        if cache is not None:  # CUDA: the allocator's cache at the step's peak, step after step
+            self.cache.append(cache * GiB)
+
+    def cache_report(self) -> Optional[Dict[str, Any]]:
+        """How the allocator's cache (reserved − allocated at a step's peak, CUDA) went over the run's varying
+        shapes, with advice when it grew (fragmentation): ``None`` without readings."""
+        if not self.cache:
+            return None
+        first, top = self.cache[0], max(self.cache)
+        capacity = self.engine.capacity
+        grew = top - first > max(CACHE_GROWTH * (capacity or 0), 256 * 2**20)
+        advice = (f"The allocator's cache grew from {format_bytes(first)} to {format_bytes(top)} while batch shapes "
+                  "varied: that is fragmentation, memory reserved but not usable for the next shape. Set "
+                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the run starts.") if grew else None
+        return {"first": int(first), "max": int(top), "last": int(self.cache[-1]), "readings": len(self.cache),
+                "advice": advice}
 
     def report(self) -> Dict[str, Any]:
         """The ``shape_plans`` of the report JSON: the bucket rule and, per bucket, its plan and what it did."""
         return {"rule": RULE,
                 "calibration_shape": str(self.calibration_shape) if self.calibration_shape else None,
                 "fallback": self._fallback,
-                "buckets": {str(b): p.as_dict() for b, p in sorted(self.planner.plans.items())}}
+                "buckets": {str(b): p.as_dict() for b, p in sorted(self.planner.plans.items())},
+                "cache": self.cache_report()}
 
     # ------------------------------------------------------------------------------------------ ranks
     def _process_group(self) -> Any:

@@ -144,3 +144,20 @@ def test_a_shape_no_plan_fits_is_named_before_its_step_and_the_plan_says_which_b
     assert rows[-1][1] == ("recompute",) * 4 and not cb.shape_plans[Shape(4, (256,))].fits
     assert "planned per batch shape (buckets: each dimension rounded up to a power of two" in cb.plan.summary()
     assert "bucket 4 x 256" in cb.plan.summary()
+
+
+def test_the_allocators_cache_over_varying_shapes_is_reported_with_the_fix_when_it_grew(tmp_path):
+    """On CUDA every measured step logs memory/cache_gib; fed here as a GPU run would (the CPU has no cache)."""
+    batches = [_batch(32, seed=i) for i in range(11)]
+    cb, _ = _fit(tmp_path, _gpt(), batches, "budget:8MiB")
+    shapes, key = cb._engine.shapes, cb._engine._key
+    cb._engine.capacity = 4 * 2**30
+    assert shapes.cache_report() is None  # no allocator on the CPU: nothing invented
+    for cache in (0.10, 0.12, 0.11):
+        shapes.after_step(None, None, None, {key("memory/cache_gib"): cache}, key)
+    steady = shapes.cache_report()
+    assert steady["readings"] == 3 and steady["advice"] is None  # 20 MiB of movement: no fragmentation
+    shapes.after_step(None, None, None, {key("memory/cache_gib"): 0.45}, key)
+    grew = shapes.cache_report()
+    assert abs(grew["max"] - 0.45 * 2**30) <= 1 and "expandable_segments:True" in grew["advice"]
+    assert "expandable_segments" in cb.report()
