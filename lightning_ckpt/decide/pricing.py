@@ -21,7 +21,8 @@ Times are not priced here (fake kernels take no time): the caller scales the mea
 
 Known limitations: a model that reads parameter or buffer *values* in its step (``.item()`` on a weight) cannot be
 traced on fake tensors, and a sharded one (FSDP's ``DTensor`` parameters) is not swapped; :class:`PricingError`
-says which, and the caller falls back.
+says which, and the caller falls back. The step is the module's own: code in it with side effects beyond tensors
+(a Python counter, a list it appends to) sees the priced calls too, a few per shape.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def fake_steps(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tenso
 
     from lightning_ckpt.measure.meter import StepMeter
 
-    saved_modes, saved_notes = plan.modes, plan.notes
+    saved_policy, saved_notes = plan.policy, plan.notes
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with warnings.catch_warnings(), fake_state(model, mode) as params:
@@ -166,7 +167,7 @@ def fake_steps(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tenso
     except Exception as err:  # the model's step could not run on fake tensors: the caller falls back
         raise PricingError(f"{type(err).__name__}: {err}") from err
     finally:
-        plan.set_modes(saved_modes)
+        plan.retarget(saved_policy)  # the policy, not only its modes: group:K regions come back too
         if saved_notes:
             plan.annotate(saved_notes)
 
@@ -205,12 +206,15 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
 
 
 def trace_plans(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tensor], batch: Any,
-                plans: Sequence[Sequence[str]], context: Callable[[], Any] = contextlib.nullcontext) -> List[int]:
-    """The activation peak of each plan (per-block modes) for ``batch``, traced on fake tensors (one step each;
-    arguments as :func:`price_shape`'s)."""
+                plans: Sequence[Any], context: Callable[[], Any] = contextlib.nullcontext) -> List[int]:
+    """The activation peak of each plan — per-block modes, or a policy (``"every:2"``, ``"group:2"``) — for
+    ``batch``, traced on fake tensors (one step each; arguments as :func:`price_shape`'s)."""
     peaks = []
     with fake_steps(model, plan, loss_fn, batch, context) as (step, _):
-        for modes in plans:
-            plan.set_modes(list(modes))
+        for item in plans:
+            if isinstance(item, str):
+                plan.retarget(item)
+            else:
+                plan.set_modes(list(item))
             peaks.append(step(True))
     return peaks

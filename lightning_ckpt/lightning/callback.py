@@ -92,6 +92,9 @@ class ActivationCheckpointing(Callback):
             ``n_positions`` or ``block_size``) with the first batch's micro-batch.
         shape_fn: ``shape_fn(batch) -> (micro-batch, length, ...)`` when the batch's shape cannot be read from it
             (:func:`lightning_ckpt.decide.shapes.shape_of` reads token ids, masks, encoder-decoder and image batches).
+        per_shape: plan each step from its batch's shape before it runs: ``budget:`` a plan per shape bucket
+            (:mod:`lightning_ckpt.lightning.shaped`), ``auto_threshold`` the lowest rung a bucket needs
+            (:mod:`lightning_ckpt.lightning.gate`). ``False``: one plan, changed after measured steps only.
 
     Attributes:
         plan: the :class:`~lightning_ckpt.core.wrap.CheckpointPlan` once applied (``None`` before ``fit``).
@@ -188,6 +191,7 @@ class ActivationCheckpointing(Callback):
         compile_blocks: bool = False,
         max_shape: Optional[Union[str, List[int]]] = None,
         shape_fn: Optional[Callable[[Any], Any]] = None,
+        per_shape: bool = True,
     ) -> None:
         settings = Settings(policy=policy, blocks=blocks, preserve_rng_state=preserve_rng_state,
                             determinism_check=determinism_check, debug=debug, measure=measure,
@@ -195,7 +199,8 @@ class ActivationCheckpointing(Callback):
                             auto_threshold=auto_threshold, capacity=capacity, ladder=ladder, release=release,
                             cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom,
                             stateful=stateful, verify=verify, report=report,
-                            compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn)
+                            compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn,
+            per_shape=per_shape)
         setattr(self, ENGINE_ATTR, CheckpointingEngine(settings, owner=type(self).__name__))
 
     # ------------------------------------------------------------------------------------------ what users read

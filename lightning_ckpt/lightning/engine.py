@@ -43,6 +43,7 @@ from lightning_ckpt.lightning.compiled import (
     cuda_graphs_in_use,
     warn_cuda_graphs_once,
 )
+from lightning_ckpt.lightning.gate import ShapeGate
 from lightning_ckpt.lightning.metrics import block_metrics, log_metrics, reduce_across_ranks, tensorboard_layout
 from lightning_ckpt.lightning.recovery import StepGuard
 from lightning_ckpt.lightning.settings import Settings
@@ -92,6 +93,7 @@ class CheckpointingEngine:
         self.monitor: Optional[StepMonitor] = None
         self.calibration: Optional[BudgetCalibration] = None
         self.shapes: Optional[ShapeSteps] = None  # budget: the plan per batch shape
+        self.gate: Optional[ShapeGate] = None  # auto-toggle: the threshold per batch shape, before the step
         self.phase = PhaseTracker()
         self.guard = StepGuard(self)
         self.capacity: Optional[int] = settings.capacity_bytes
@@ -207,13 +209,16 @@ class CheckpointingEngine:
                 is None else ()
             self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
                                                  modes=modes, block_caller=caller, compiler_fractions=fractions)
-            if caller is None and not one_graph:  # compiled blocks keep one plan (see lightning/shaped.py)
+            if caller is None and not one_graph and s.per_shape:  # compiled blocks: one plan (lightning/shaped.py)
                 self.shapes = ShapeSteps(self, budget, modes)
                 self.shapes.setup(trainer)
             if one_graph:
                 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
                 rank_zero_warn(WHOLE_MODEL_COMPILE_BUDGET.format(spec=self.policy.spec))
+        if self.controller is not None and self.calibration is None and s.per_shape:
+            self.gate = ShapeGate(self, self.controller.threshold)
+            self.gate.setup(trainer)
         self._check_compiler_modes(pl_module)
         if s.measure and not trainer.loggers and not self._warned_no_logger:
             self._warned_no_logger = True
@@ -296,6 +301,8 @@ class CheckpointingEngine:
                 self.shapes.before_micro_batch(trainer, batch, first=True)
             elif calibrating:
                 self.calibration.begin_step()
+            if self.gate is not None:  # the threshold for this batch's shape, before its forward
+                self.gate.before_micro_batch(trainer, batch, first=True)
             self._logging, self._deciding = self._step_kind(trainer)
             # block hooks measure the calibration steps: compiled code runs eagerly for them
             measured = self._logging or self._deciding or calibrating
@@ -308,6 +315,8 @@ class CheckpointingEngine:
         else:  # the next micro-batch of an accumulation window
             if self.shapes is not None:
                 self.shapes.before_micro_batch(trainer, batch, first=False)
+            if self.gate is not None:
+                self.gate.before_micro_batch(trainer, batch, first=False)
             self.monitor.phase("forward")
         self.monitor.add_batch(batch)
 
@@ -428,6 +437,10 @@ class CheckpointingEngine:
         reading = metrics.get(self._key("memory/activations_gib"))
         if reading is None:
             return
+        if self.gate is not None:
+            self.gate.after_step(round(reading * GiB))
+            if self.gate.raised:  # the step ran above the controller's rung: it says nothing of that rung
+                return
         decision = self.controller.observe(reading * GiB)
         if decision.changed:
             self.change_plan(decision.policy)
@@ -497,6 +510,8 @@ class CheckpointingEngine:
                             "seconds": c.seconds} for c, off in chosen.choices]}
         if self.shapes is not None and self.shapes.planner.plans:
             data["shape_plans"] = self.shapes.report()
+        if self.gate is not None and self.gate.needed:
+            data["shape_gate"] = self.gate.report()
         folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None
         if folder is not None and trainer.is_global_zero:
             os.makedirs(folder, exist_ok=True)
@@ -520,8 +535,9 @@ class CheckpointingEngine:
             release_host_memory(self.plan)
         if self.calibration is not None:  # a run that ends while calibrating leaves no hook behind
             self.calibration.close()
-        if self.shapes is not None:
-            self.shapes.close()
+        for per_shape in (self.shapes, self.gate):
+            if per_shape is not None:
+                per_shape.close()
         if self.monitor is not None:
             self.monitor.close()
 

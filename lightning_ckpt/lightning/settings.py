@@ -53,6 +53,7 @@ class Settings:
     compile_blocks: bool = False
     max_shape: Union[str, Sequence[int], None] = None
     shape_fn: Optional[Callable[[Any], Any]] = None
+    per_shape: bool = True
     start: Policy = field(init=False)
     budget: Optional[BudgetPolicy] = field(init=False)
     options: CheckpointOptions = field(init=False)
@@ -99,7 +100,7 @@ class Settings:
                              "auto-toggle decisions).")
         if not isinstance(self.prefix, str):
             raise TypeError(f"prefix={self.prefix!r} must be a string such as 'ac' (or '' for none).")
-        for name in ("measure", "verify", "report", "compile_blocks"):
+        for name in ("measure", "verify", "report", "compile_blocks", "per_shape"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.tokens_fn is not None and not callable(self.tokens_fn):

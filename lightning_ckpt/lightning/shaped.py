@@ -85,7 +85,79 @@ def _loss_of(out: Any) -> torch.Tensor:
     raise PricingError("training_step returned no loss tensor (manual optimization?)")
 
 
-class ShapeSteps:
+class ShapeReader:
+    """What both per-shape doors share: a batch's shape agreed across ranks, a real batch to resize, and a step on
+    fake tensors at any shape (the module's own ``training_step``, ``self.log`` silenced, under the precision's
+    context)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._source: Optional[Tuple[Any, Shape]] = None  # a real batch and its shape, resized to price a shape
+        self._group: Any = None
+
+    def read(self, trainer: "pl.Trainer", batch: Any) -> Tuple[Shape, Shape]:
+        """The batch's shape on this rank and the step's (the maximum over the ranks); keeps this rank's longest
+        batch to resize."""
+        local = shape_of(batch, self.engine.settings.shape_fn)
+        if self._source is None or local.tokens > self._source[1].tokens:
+            self._source = (batch, local)  # repetition fills the rest when it is resized
+        return local, self._agree(trainer, local)
+
+    def _fake_args(self, shape: Shape) -> tuple:
+        """What a step on fake tensors at ``shape`` runs: the module, its plan, the loss, a batch of that shape, and
+        the precision's context."""
+        module = self.engine.module
+        batch, source = self._source
+
+        def loss_fn(b: Any) -> torch.Tensor:
+            with _silenced_logging(module):
+                return _loss_of(module.training_step(b, 0))
+
+        return (module, self.engine.plan, loss_fn, resize_batch(batch, source, shape),
+                module.trainer.strategy.precision_plugin.train_step_context)
+
+    def trace(self, shape: Shape, plans) -> List[int]:
+        """The activation peak of each plan (modes or a policy) at ``shape``, traced on fake tensors."""
+        module, plan, loss_fn, batch, context = self._fake_args(shape)
+        return trace_plans(module, plan, loss_fn, batch, plans, context=context)
+
+    # -- ranks
+    def _process_group(self) -> Any:
+        import torch.distributed as dist
+
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _agree(self, trainer: "pl.Trainer", shape: Shape) -> Shape:
+        """The largest shape over the ranks (each dimension's maximum), so every rank plans the same step alike."""
+        if trainer.world_size <= 1:
+            return shape
+        import torch.distributed as dist
+
+        dims = torch.tensor([shape.samples, *shape.lengths], dtype=torch.int64)
+        dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=self._process_group())
+        values = [int(v) for v in dims.tolist()]
+        return Shape(values[0], tuple(values[1:]))
+
+    def _broadcast(self, modes: Tuple[str, ...]) -> Tuple[str, ...]:
+        import torch.distributed as dist
+
+        box = [list(modes)]
+        dist.broadcast_object_list(box, src=0, group=self._process_group())
+        return tuple(box[0])
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Before the first step, on every rank at once: the CPU process group the agreement uses."""
+        if trainer.world_size > 1:
+            self._process_group()
+
+    def close(self) -> None:
+        self._group = None
+        self._source = None
+
+
+class ShapeSteps(ShapeReader):
     """The per-shape plans of one run (see the module docstring).
 
     Args:
@@ -95,19 +167,17 @@ class ShapeSteps:
     """
 
     def __init__(self, engine: Any, budget: int, modes: Tuple[str, ...]) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.budget = budget
         self.modes = tuple(m for m in modes if m != "offload")  # offload moves bytes off the device: not priced
         self.planner = ShapePlanner(budget, self.modes, self._price, self._trace)
         self.bucket: Optional[Shape] = None  # the bucket of the micro-batch in flight
         self.calibration_shape: Optional[Shape] = None  # the exact shape the calibration's stages run at
         self._discarded = False  # the step in flight is no calibration stage
-        self._source: Optional[Tuple[Any, Shape]] = None  # a real batch and its shape, resized to price a bucket
         self._step_buckets: set = set()
         self._step_shapes: set = set()
         self._checked = False
         self._fallback: Optional[str] = None  # why pricing on fake tensors failed
-        self._group: Any = None
         self.errors: Dict[Shape, float] = {}
         self.cache: List[float] = []  # memory/cache_gib of the measured steps, in bytes
 
@@ -124,19 +194,6 @@ class ShapeSteps:
                                f"tokens (squared above its shape) instead of tracing it: {err}")
         return self._price_scaled(bucket)
 
-    def _fake_args(self, bucket: Shape) -> tuple:
-        """What a step on fake tensors at ``bucket``'s shape runs: the module, its plan, the loss, a batch of that
-        shape, and the precision's context."""
-        module = self.engine.module
-        batch, shape = self._source
-
-        def loss_fn(b: Any) -> torch.Tensor:
-            with _silenced_logging(module):
-                return _loss_of(module.training_step(b, 0))
-
-        return (module, self.engine.plan, loss_fn, resize_batch(batch, shape, bucket),
-                module.trainer.strategy.precision_plugin.train_step_context)
-
     def _price_fake(self, bucket: Shape) -> ShapeCosts:
         module, plan, loss_fn, batch, context = self._fake_args(bucket)
         return price_shape(module, plan, loss_fn, batch, self.modes, context=context)
@@ -145,9 +202,8 @@ class ShapeSteps:
         """The traced peak of each plan at ``bucket``'s shape (without fake tracing: the scaled model's)."""
         if self._fallback is not None:
             return [self.planner.predict(bucket, modes) for modes in plans]
-        module, plan, loss_fn, batch, context = self._fake_args(bucket)
         try:
-            return trace_plans(module, plan, loss_fn, batch, plans, context=context)
+            return self.trace(bucket, plans)
         except PricingError:
             return [self.planner.predict(bucket, modes) for modes in plans]
 
@@ -174,11 +230,8 @@ class ShapeSteps:
     # ------------------------------------------------------------------------------------------ the micro-batch
     def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
         """Set the plan of this micro-batch's bucket (``first``: the first micro-batch of an optimizer step)."""
-        local = shape_of(batch, self.engine.settings.shape_fn)
-        shape = self._agree(trainer, local)  # the step's shape: the largest over the ranks
+        _, shape = self.read(trainer, batch)  # the step's shape: the largest over the ranks
         bucket = bucket_of(shape, self._cap(shape))
-        if self._source is None or local.tokens > self._source[1].tokens:
-            self._source = (batch, local)  # a real batch to resize: this rank's longest (repetition fills the rest)
         if first:
             self._step_buckets, self._step_shapes, self._discarded = set(), set(), False
         self._step_buckets.add(bucket)
@@ -311,41 +364,6 @@ class ShapeSteps:
                 "fallback": self._fallback,
                 "buckets": {str(b): p.as_dict() for b, p in sorted(self.planner.plans.items())},
                 "cache": self.cache_report()}
-
-    # ------------------------------------------------------------------------------------------ ranks
-    def _process_group(self) -> Any:
-        import torch.distributed as dist
-
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        return self._group
-
-    def _agree(self, trainer: "pl.Trainer", shape: Shape) -> Shape:
-        """The largest shape over the ranks (each dimension's maximum), so every rank plans the same step alike."""
-        if trainer.world_size <= 1:
-            return shape
-        import torch.distributed as dist
-
-        dims = torch.tensor([shape.samples, *shape.lengths], dtype=torch.int64)
-        dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=self._process_group())
-        values = [int(v) for v in dims.tolist()]
-        return Shape(values[0], tuple(values[1:]))
-
-    def _broadcast(self, modes: Tuple[str, ...]) -> Tuple[str, ...]:
-        import torch.distributed as dist
-
-        box = [list(modes)]
-        dist.broadcast_object_list(box, src=0, group=self._process_group())
-        return tuple(box[0])
-
-    def setup(self, trainer: "pl.Trainer") -> None:
-        """Before the first step, on every rank at once: the CPU process group the agreement uses."""
-        if trainer.world_size > 1:
-            self._process_group()
-
-    def close(self) -> None:
-        self._group = None
-        self._source = None
 
 
 def _describe(plan: BucketPlan) -> str:

@@ -86,6 +86,7 @@ class ActivationCheckpointingMixin:
         compile_blocks: bool = False,
         max_shape: Optional[Union[str, List[int]]] = None,
         shape_fn: Optional[Callable[[Any], Any]] = None,
+        per_shape: bool = True,
         **kwargs: Any,
     ) -> None:
         # imported here, not at the top: registering the strategies (which imports this module) runs right after
@@ -97,7 +98,8 @@ class ActivationCheckpointingMixin:
             debug=debug, measure=measure, exact_every_n_steps=exact_every_n_steps, tokens_fn=tokens_fn,
             prefix=prefix, auto_threshold=auto_threshold, capacity=capacity, ladder=ladder, release=release,
             cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom, stateful=stateful,
-            verify=verify, report=report, compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn)
+            verify=verify, report=report, compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn,
+            per_shape=per_shape)
         callback._engine.owner = type(self).__name__
         super().__init__(*args, **kwargs)
         self.checkpointing = callback

@@ -161,3 +161,21 @@ def test_the_allocators_cache_over_varying_shapes_is_reported_with_the_fix_when_
     grew = shapes.cache_report()
     assert abs(grew["max"] - 0.45 * 2**30) <= 1 and "expandable_segments:True" in grew["advice"]
     assert "expandable_segments" in cb.report()
+
+
+def test_the_auto_toggle_raises_a_long_batch_before_it_runs_and_short_ones_stay_on_the_controllers_rung(tmp_path):
+    """auto_threshold at 6 MiB: 32-token batches stay on 'none'; the first 256-token batch is put on the rung its
+    shape needs before its forward and reads under the threshold; the next short batch runs 'none' again. With
+    per_shape=False the same long batch runs on 'none' and crosses the threshold (the controller reacts after)."""
+    batches = [_batch(32, seed=i) for i in range(6)] + [_batch(256), _batch(32), _batch(256)]
+    cb, rows = _fit(tmp_path, _gpt(), batches, None, callback=dict(auto_threshold="6MiB"))
+    by_step = [(length, sum(m != "off" for m in modes), peak) for length, modes, peak in rows]
+    assert all(n == 0 for length, n, _ in by_step if length == 32)  # the controller's rung: none
+    long = [(n, peak) for length, n, peak in by_step if length == 256]
+    assert all(n > 0 and peak <= 6 * MiB for n, peak in long), long
+    assert cb.controller.level == 0  # raised steps taught the controller nothing about its rung
+    assert "2 x" not in str(cb._engine.gate.report()) and "4 x 256" in cb._engine.gate.report()["buckets"]
+    after, plain = _fit(tmp_path / "after", _gpt(), batches[:7], None,
+                        callback=dict(auto_threshold="6MiB", per_shape=False))
+    assert plain[6][0] == 256 and plain[6][2] > 6 * MiB  # ran on 'none', over the threshold
+    assert after.controller.level == 1  # and the controller moved up after it

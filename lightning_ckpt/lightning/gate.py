@@ -1,0 +1,122 @@
+"""The auto-toggle's threshold applied per batch shape, before each step: :class:`ShapeGate`.
+
+The auto-toggle (:class:`~lightning_ckpt.decide.controller.Controller`) moves along its ladder *after* a measured
+step crossed the threshold: a batch longer than any before it is run on the rung sized for the shorter ones, and on a
+full card that step is the out-of-memory error. The gate runs before each micro-batch's forward: for the batch's
+bucket (:mod:`lightning_ckpt.decide.shapes`) it finds, once, the lowest rung whose activation peak at the bucket's
+shape stays under the threshold — each rung traced on fake tensors of the model itself
+(:func:`~lightning_ckpt.decide.pricing.trace_plans`), carried into the device's units by the first measured step
+(its reading over its own trace: 1 on the CPU) — and the step runs on ``max(the controller's rung, the bucket's)``.
+The first batch's bucket is the controller's own and is never gated: a run whose batches all have one shape behaves
+exactly as without the gate (measured, then moved).
+
+The controller keeps its own rung and learns only from the steps that ran on it: a step the gate raised read a
+rung above the controller's, which says nothing of the controller's own. So short batches go back to the
+controller's rung at once, and long ones are raised before they run, every time. Several processes: the shape is
+the maximum over the ranks (the same all-reduce as the budget's), so every rank raises the same steps.
+
+A model that cannot be traced on fake tensors (:class:`~lightning_ckpt.decide.pricing.PricingError`) is not gated:
+a warning says so once, and the controller alone decides, after the steps, as before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from lightning_ckpt.core.units import format_bytes
+from lightning_ckpt.decide.pricing import PricingError
+from lightning_ckpt.decide.shapes import Shape, bucket_of
+from lightning_ckpt.lightning.shaped import ShapeReader
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+__all__ = ["ShapeGate"]
+
+
+class ShapeGate(ShapeReader):
+    """The lowest rung each bucket needs, and the rung each step runs on (see the module docstring).
+
+    Args:
+        engine: the :class:`~lightning_ckpt.lightning.engine.CheckpointingEngine` that owns it.
+        threshold: the auto-toggle's threshold in bytes.
+    """
+
+    def __init__(self, engine: Any, threshold: int) -> None:
+        super().__init__(engine)
+        self.threshold = threshold
+        self.needed: Dict[Shape, int] = {}  # bucket -> lowest rung whose predicted peak is under the threshold
+        self.predicted: Dict[Shape, int] = {}  # bucket -> that rung's predicted peak (bytes)
+        self.raised = False  # the step in flight runs above the controller's rung
+        self.home: Optional[Shape] = None  # the first batch's bucket: the controller's own, measured, never gated
+        self._unit: Optional[float] = None  # device bytes per traced byte, from the first measured step
+        self._measured: Optional[tuple] = None  # (shape, rung, activation peak) of a measured step, for the unit
+        self._shape: Optional[Shape] = None
+        self._off = False  # tracing failed: the controller alone decides
+
+    def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
+        """Put the micro-batch on ``max(controller's rung, its bucket's)`` (``first``: of an optimizer step)."""
+        controller = self.engine.controller
+        _, shape = self.read(trainer, batch)
+        if first:
+            self._shape, self.raised = shape, False
+        bucket = bucket_of(shape)
+        if self.home is None:
+            self.home = bucket
+        level = controller.level if bucket == self.home else max(controller.level, self._needed(bucket))
+        self.raised = self.raised or level > controller.level
+        rung = self.engine.settings.ladder[level]
+        if self.engine.plan.spec != rung:
+            self.engine.change_plan(rung)
+
+    def _needed(self, bucket: Shape) -> int:
+        if self._off:
+            return 0
+        if bucket not in self.needed:
+            try:
+                self._plan(bucket)
+            except PricingError as err:
+                self._off = True
+                from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+                rank_zero_warn(f"lightning_ckpt: the auto-toggle decides after each step only: its threshold is not "
+                               f"applied per batch shape before the step, because the model cannot run on fake "
+                               f"tensors ({err}).")
+                return 0
+        return self.needed[bucket]
+
+    def _plan(self, bucket: Shape) -> None:
+        """Trace the rungs at the bucket's shape, from the controller's up, until one is under the threshold."""
+        ladder, unit = self.engine.settings.ladder, self.unit()
+        start = self.engine.controller.level
+        for level in range(start, len(ladder)):
+            peak = round(self.trace(bucket, [ladder[level]])[0] * unit)
+            self.needed[bucket], self.predicted[bucket] = level, peak
+            if peak <= self.threshold:
+                break
+        if self.needed[bucket] > start or self.predicted[bucket] > self.threshold:
+            fits = "" if self.predicted[bucket] <= self.threshold else " (over the threshold even there)"
+            self.engine.info(f"bucket {bucket}: at least rung {ladder[self.needed[bucket]]!r} before the step, "
+                             f"predicted activation peak {format_bytes(self.predicted[bucket])} against the threshold "
+                             f"{format_bytes(self.threshold)}{fits}")
+
+    def after_step(self, activations: Optional[int]) -> None:
+        """A measured step of the controller's own rung: kept, to carry traced bytes into the device's units when a
+        bucket is first gated (traced then, not now: a run of one shape never runs its step on fake tensors)."""
+        if activations is not None and self._unit is None and self._shape is not None and not self.raised:
+            self._measured = (self._shape, self.engine.plan.spec, activations)
+
+    def unit(self) -> float:
+        """Device bytes per traced byte: the first measured step's reading over its own trace (1 before one)."""
+        if self._unit is None and self._measured is not None:
+            shape, spec, activations = self._measured
+            traced = self.trace(shape, [spec])[0]
+            self._unit = activations / traced if traced else 1.0
+        return self._unit or 1.0
+
+    def report(self) -> Dict[str, Any]:
+        """Per bucket, the lowest rung the gate found and its predicted peak (the report's ``shape_gate``)."""
+        ladder = self.engine.settings.ladder
+        return {"threshold": self.threshold, "unit": self._unit,
+                "buckets": {str(b): {"rung": ladder[level], "predicted_peak": self.predicted[b]}
+                            for b, level in sorted(self.needed.items())}}
