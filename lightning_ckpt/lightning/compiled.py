@@ -28,7 +28,7 @@ seen.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
 __all__ = ["CUDA_GRAPHS_WARNING", "blocks_in_one_compiled_graph", "compile_blocks_one_by_one",
-           "compiled_block_caller", "cuda_graphs_in_use", "warn_cuda_graphs_once"]
+           "compiled_block_caller", "cuda_graphs_in_use", "room_for_plans", "warn_cuda_graphs_once"]
 
 CUDA_GRAPHS_WARNING = (
     "lightning_ckpt: to measure peak allocated/reserved memory, compile without CUDA graphs (mode='default' or "
@@ -220,3 +220,24 @@ def warn_cuda_graphs_once(note: str) -> None:
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
     rank_zero_warn(CUDA_GRAPHS_WARNING.format(note=note), category=RuntimeWarning)
+
+
+def room_for_plans(modes: int) -> Optional[Tuple[str, Callable[[], None]]]:
+    """Make room in dynamo's cache for blocks compiled one by one whose plan changes with the batch's shape.
+
+    Dynamo compiles a block's call once per mode the plan gives it (it guards on the mode) and, when the lengths
+    vary, once more per mode with the lengths dynamic (its automatic dynamic shapes): ``2 × modes`` graphs per block
+    class. Past ``torch._dynamo.config.recompile_limit`` (8 by default) it stops compiling that block and runs it
+    eagerly, silently slower. The limit is raised to ``2 × modes + 1`` when it is lower; returns what changed (for
+    the log) and the call that puts the user's limit back (at the end of the run), ``None`` when nothing changed.
+    """
+    import torch._dynamo.config as config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    current, needed = getattr(config, name), 2 * modes + 1
+    if current >= needed:
+        return None
+    setattr(config, name, needed)
+    return (f"torch._dynamo.config.{name} raised from {current} to {needed} for this run: blocks compiled one by one "
+            f"take one graph per mode ({modes}) and per static and dynamic lengths",
+            lambda: setattr(config, name, current))

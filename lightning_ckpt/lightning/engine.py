@@ -41,6 +41,7 @@ from lightning_ckpt.lightning.compiled import (
     compile_blocks_one_by_one,
     compiled_block_caller,
     cuda_graphs_in_use,
+    room_for_plans,
     warn_cuda_graphs_once,
 )
 from lightning_ckpt.lightning.gate import ShapeGate
@@ -94,6 +95,7 @@ class CheckpointingEngine:
         self.calibration: Optional[BudgetCalibration] = None
         self.shapes: Optional[ShapeSteps] = None  # budget: the plan per batch shape
         self.gate: Optional[ShapeGate] = None  # auto-toggle: the threshold per batch shape, before the step
+        self._restore_dynamo: Optional[Any] = None  # puts dynamo's recompile limit back (room_for_plans)
         self.phase = PhaseTracker()
         self.guard = StepGuard(self)
         self.capacity: Optional[int] = settings.capacity_bytes
@@ -209,9 +211,13 @@ class CheckpointingEngine:
                 is None else ()
             self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
                                                  modes=modes, block_caller=caller, compiler_fractions=fractions)
-            if caller is None and not one_graph and s.per_shape:  # compiled blocks: one plan (lightning/shaped.py)
+            if not one_graph and s.per_shape:  # one whole-model graph: one plan (lightning/shaped.py)
                 self.shapes = ShapeSteps(self, budget, modes)
                 self.shapes.setup(trainer)
+                raised = room_for_plans(len(modes) + 1 + len(fractions)) if caller is not None else None
+                if raised:
+                    self._restore_dynamo = raised[1]
+                    self.info(raised[0])
             if one_graph:
                 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -538,6 +544,9 @@ class CheckpointingEngine:
         for per_shape in (self.shapes, self.gate):
             if per_shape is not None:
                 per_shape.close()
+        if self._restore_dynamo is not None:  # dynamo's cache limit as the user had it
+            self._restore_dynamo()
+            self._restore_dynamo = None
         if self.monitor is not None:
             self.monitor.close()
 

@@ -179,3 +179,26 @@ def test_the_auto_toggle_raises_a_long_batch_before_it_runs_and_short_ones_stay_
                         callback=dict(auto_threshold="6MiB", per_shape=False))
     assert plain[6][0] == 256 and plain[6][2] > 6 * MiB  # ran on 'none', over the threshold
     assert after.controller.level == 1  # and the controller moved up after it
+
+
+def test_blocks_compiled_one_by_one_get_per_shape_plans_without_running_out_of_dynamos_cache(tmp_path):
+    """A block compiled with block.compile() takes one graph per mode and per static/dynamic lengths: per-shape plans
+    over lengths 32..256 stay compiled (no frame falls back to eager at dynamo's recompile limit), the limit the
+    user had comes back after the run, and the predictions hold."""
+    import torch._dynamo
+    import torch._dynamo.config as dynamo_config
+    from _lightning_models import BlockCompiledGPT
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    limit = dynamo_config.recompile_limit
+    seed_everything(0)
+    model = BlockCompiledGPT(n_layer=4, n_embd=64, n_head=4, block_size=256, vocab_size=VOCAB, dropout=0.0)
+    lengths = [32] * 12 + [256, 32, 64, 128, 256, 32, 64, 128]
+    cb, rows = _fit(tmp_path, model, [_batch(n, seed=i) for i, n in enumerate(lengths)], "budget:6MiB")
+    assert counters["frames"]["total"] == counters["frames"]["ok"]  # every frame compiled: none hit the limit
+    assert dynamo_config.recompile_limit == limit
+    assert len({modes for _, modes, _ in rows[12:]}) >= 2
+    assert all(p.error is not None and abs(p.error) <= 0.02 for p in cb.shape_plans.values() if p.source == "fake")
+    torch._dynamo.reset()
