@@ -159,22 +159,27 @@ def _resize(t: torch.Tensor, sizes: dict, samples: Tuple[int, int]) -> torch.Ten
 
 
 def resize_batch(batch: Any, source: Shape, target: Shape) -> Any:
-    """A batch of ``target``'s shape made from ``batch`` (of shape ``source``): see the module docstring."""
+    """A batch of ``target``'s shape made from ``batch`` (of shape ``source``): see the module docstring. In an
+    encoder–decoder mapping the target length goes to the decoder's keys and ``labels``, the source length to the
+    others (so equal source and target lengths are told apart)."""
     if len(source.lengths) != len(target.lengths):
         raise ValueError(f"cannot resize a batch of shape {source} to {target}: they have different lengths.")
     sizes = dict(zip(source.lengths, target.lengths))
     samples = (source.samples, target.samples)
+    two = len(source.lengths) == 2 and isinstance(batch, Mapping)
+    by_side = ({source.lengths[0]: target.lengths[0]}, {source.lengths[1]: target.lengths[1]}) if two else None
 
-    def walk(x: Any) -> Any:
+    def walk(x: Any, lengths: dict = sizes) -> Any:
         if isinstance(x, torch.Tensor):
-            return _resize(x, sizes, samples)
+            return _resize(x, lengths, samples)
         if isinstance(x, Mapping):
-            return type(x)({k: walk(v) for k, v in x.items()}) if type(x) is not dict else {
-                k: walk(v) for k, v in x.items()}
+            items = {k: walk(v, by_side[k in (*_TARGET_KEYS, "labels")] if by_side and x is batch else lengths)
+                     for k, v in x.items()}
+            return items if type(x) is dict else type(x)(items)
         if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*(walk(v) for v in x))
+            return type(x)(*(walk(v, lengths) for v in x))
         if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
+            return type(x)(walk(v, lengths) for v in x)
         return x
 
     return walk(batch)

@@ -83,3 +83,14 @@ def test_resize_batch_repeats_the_batch_to_the_bucket_and_keeps_everything_else(
     assert resize_batch(batch, Shape(3, (5,)), Shape(2, (4,)))["input_ids"].shape == (2, 4)  # smaller: cropped
     with pytest.raises(ValueError, match="different lengths"):
         resize_batch(batch, Shape(3, (5,)), Shape(3, (5, 5)))
+
+
+def test_an_encoder_decoder_batch_resizes_its_source_and_target_apart_even_when_they_are_equal():
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    batch = {"input_ids": ids, "attention_mask": torch.ones(2, 6), "decoder_input_ids": ids.clone(), "labels": ids}
+    shape = shape_of(batch)
+    assert shape == Shape(2, (6, 6))
+    out = resize_batch(batch, shape, Shape(2, (16, 4)))
+    assert out["input_ids"].shape == out["attention_mask"].shape == (2, 16)
+    assert out["decoder_input_ids"].shape == out["labels"].shape == (2, 4)
+    assert shape_of(out) == Shape(2, (16, 4))

@@ -202,3 +202,51 @@ def test_blocks_compiled_one_by_one_get_per_shape_plans_without_running_out_of_d
     assert len({modes for _, modes, _ in rows[12:]}) >= 2
     assert all(p.error is not None and abs(p.error) <= 0.02 for p in cb.shape_plans.values() if p.source == "fake")
     torch._dynamo.reset()
+
+
+
+
+def _t5_module():
+    transformers = pytest.importorskip("transformers")
+    from lightning.pytorch import LightningModule
+
+    class T5Module(LightningModule):
+        def __init__(self):
+            super().__init__()
+            config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2,
+                                           num_decoder_layers=2, dropout_rate=0.0, decoder_start_token_id=0)
+            self.model = transformers.T5ForConditionalGeneration(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    seed_everything(0)
+    return T5Module()
+
+
+def _seq2seq(source: int, target: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed * 1000 + source * 7 + target)
+    return {"input_ids": torch.randint(1, VOCAB, (4, source), generator=g),
+            "labels": torch.randint(1, VOCAB, (4, target), generator=g)}
+
+
+def test_an_encoder_decoder_is_planned_per_source_and_target_length(tmp_path):
+    pairs = [(32, 16)] * 12 + [(128, 16), (32, 64), (128, 64), (32, 16)]
+    batches = [_seq2seq(s, t, seed=i) for i, (s, t) in enumerate(pairs)]
+    shaped, plain = _t5_module(), _t5_module()
+    cb, rows = _fit(tmp_path / "shaped", shaped, batches, "budget:3MiB")
+    _fit(tmp_path / "plain", plain, batches, "none")
+    plans = cb.shape_plans
+    assert {Shape(4, (128, 16)), Shape(4, (32, 64)), Shape(4, (128, 64))} <= set(plans)
+    # blocks 0-1 are the encoder's, 2-3 the decoder's: a long source recomputes encoder blocks, a long target decoder
+    assert plans[Shape(4, (32, 16))].modes == ("off",) * 4
+    assert plans[Shape(4, (128, 16))].modes[:2] != ("off", "off") and plans[Shape(4, (128, 16))].modes[2:] == (
+        "off", "off")
+    assert plans[Shape(4, (32, 64))].modes[:2] == ("off", "off") and plans[Shape(4, (32, 64))].modes[2:] != (
+        "off", "off")
+    assert all(p.error is not None and abs(p.error) <= 0.02 for p in plans.values() if p.source == "fake"), plans
+    for k, v in params_of(plain).items():
+        assert torch.equal(v, params_of(shaped)[k]), k
