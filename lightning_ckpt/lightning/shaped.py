@@ -23,7 +23,9 @@ have its own plan.
   calibration's shape (an attention matrix grows with the square of the length; never an optimistic guess).
 
 Logged (with the engine's figures, on measured steps): ``shape/samples``, ``shape/length`` (the bucket's first
-length), ``memory/prediction_error_ratio`` (measured / predicted activation peak − 1, on measured steps of a
+length), ``shape/blocks_off``, ``shape/blocks_selective``, ``shape/blocks_recompute`` (the step's plan as a mix; each
+new bucket plan is also written to TensorBoard as text, ``lightning_ckpt/shape_plans``),
+``memory/prediction_error_ratio`` (measured / predicted activation peak − 1, on measured steps of a
 planned bucket). On CUDA the allocator's cache (``memory/cache_gib``) is followed over the run: varying shapes
 fragment the caching allocator, and a cache that grew by more than 5 % of capacity (at least 256 MiB) is reported
 with the fix (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
@@ -301,10 +303,24 @@ class ShapeSteps(ShapeReader):
                            f"{self.engine.settings.budget.spec!r} there, so they run under the plan with the lowest "
                            f"predicted activation peak, {format_bytes(plan.predicted_peak)}.")
         if new:
+            self._write_text(trainer, bucket, plan)
             again = "" if old is None else (f" (chosen again: a step read {format_bytes(old.measured_peak or 0)}, its "
                                             "plan is now predicted over the budget)")
             self.engine.info(f"bucket {bucket}: {_describe(plan)}{again}")
         return plan
+
+    @staticmethod
+    def _write_text(trainer: "pl.Trainer", bucket: Shape, plan: BucketPlan) -> None:
+        """A new bucket plan, per block, as TensorBoard text (rank zero)."""
+        if not trainer.is_global_zero:
+            return
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        text = f"bucket {bucket}: " + ", ".join(f"{i}: {m}" for i, m in enumerate(plan.modes)) + (
+            f" (predicted activation peak {format_bytes(plan.predicted_peak)})")
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("lightning_ckpt/shape_plans", text, global_step=trainer.global_step)
 
     def _apply(self, plan: BucketPlan) -> None:
         if self.engine.plan.modes != plan.modes:
@@ -336,6 +352,9 @@ class ShapeSteps(ShapeReader):
         metrics[key("shape/samples")] = float(bucket.samples)
         if bucket.lengths:
             metrics[key("shape/length")] = float(bucket.lengths[0])
+        modes = self.engine.plan.modes
+        for mode in ("off", "selective", "recompute"):  # the step's plan, as a mix
+            metrics[key(f"shape/blocks_{mode}")] = float(modes.count(mode))
         if error is not None:
             self.errors[bucket] = error
             metrics[key("memory/prediction_error_ratio")] = error

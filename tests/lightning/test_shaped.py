@@ -70,6 +70,10 @@ def test_a_curriculum_runs_its_first_long_step_within_the_budget(tmp_path):
     longest = plans[Shape(4, (256,))]
     assert longest.source == "fake" and longest.steps == 3 and abs(longest.error) <= 0.02
     assert longest.predicted_peak <= budget
+    metrics = cb.last_metrics  # the last (256-token) step's bucket and plan, as logged
+    assert metrics["shape/length"] == 256 and metrics["shape/samples"] == 4
+    assert metrics["shape/blocks_off"] + metrics["shape/blocks_recompute"] + metrics["shape/blocks_selective"] == 4
+    assert metrics["shape/blocks_off"] == longest.modes.count("off")
 
 
 def test_without_per_shape_plans_the_long_step_would_have_run_over_the_budget(tmp_path):
@@ -250,3 +254,24 @@ def test_an_encoder_decoder_is_planned_per_source_and_target_length(tmp_path):
     assert all(p.error is not None and abs(p.error) <= 0.02 for p in plans.values() if p.source == "fake"), plans
     for k, v in params_of(plain).items():
         assert torch.equal(v, params_of(shaped)[k]), k
+
+
+def test_tensorboard_gets_each_bucket_plan_as_text_and_the_steps_bucket_as_scalars(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    batches = [_batch(32, seed=i) for i in range(11)] + [_batch(256), _batch(64)]
+    seed_everything(0)
+    cb = ActivationCheckpointing(policy="budget:8MiB")
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=len(batches), limit_val_batches=0,
+                                                       num_sanity_val_steps=0, log_every_n_steps=1, logger=logger))
+    trainer.fit(_gpt(), DataLoader(batches, batch_size=None))
+    logger.experiment.flush()
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    texts = [t.tensor_proto.string_val[0].decode() for t in acc.Tensors("lightning_ckpt/shape_plans/text_summary")]
+    assert any(t.startswith("bucket 4 x 256: 0: ") for t in texts), texts
+    lengths = [e.value for e in acc.Scalars("shape/length")]
+    assert lengths[-2:] == [256.0, 64.0]
+    assert [e.value for e in acc.Scalars("shape/blocks_off")][-1] == 4.0
