@@ -23,7 +23,14 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.core.offload import release_host_memory
-from lightning_ckpt.core.policy import MODES, Policy, compiler_budget_unavailable, compiler_modes, parse_policy
+from lightning_ckpt.core.policy import (
+    COMPILER_MODE,
+    MODES,
+    Policy,
+    compiler_budget_unavailable,
+    compiler_modes,
+    parse_policy,
+)
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.units import GiB, format_bytes
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
@@ -212,7 +219,7 @@ class CheckpointingEngine:
             self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
                                                  modes=modes, block_caller=caller, compiler_fractions=fractions)
             if not one_graph and s.per_shape:  # one whole-model graph: one plan (lightning/shaped.py)
-                self.shapes = ShapeSteps(self, budget, modes)
+                self.shapes = ShapeSteps(self, budget, (*modes, *[COMPILER_MODE] * bool(fractions)))
                 self.shapes.setup(trainer)
                 raised = room_for_plans(len(modes) + 1 + len(fractions)) if caller is not None else None
                 if raised:

@@ -12,8 +12,10 @@ exactly as without the gate (measured, then moved).
 
 The controller keeps its own rung and learns only from the steps that ran on it: a step the gate raised read a
 rung above the controller's, which says nothing of the controller's own. So short batches go back to the
-controller's rung at once, and long ones are raised before they run, every time. Several processes: the shape is
-the maximum over the ranks (the same all-reduce as the budget's), so every rank raises the same steps.
+controller's rung at once, and long ones are raised before they run, every time. Several processes: each rank gates
+its own batch, with no collective (a step that neither logs nor decides stays free of them), so in one step the
+ranks may run different rungs; the gradients are the same whatever the rung. (A sharded model, where the ranks'
+replays gather parameters together, is not traced on fake tensors: there the gate is off.)
 
 A model that cannot be traced on fake tensors (:class:`~lightning_ckpt.decide.pricing.PricingError`) is not gated:
 a warning says so once, and the controller alone decides, after the steps, as before.
@@ -57,7 +59,7 @@ class ShapeGate(ShapeReader):
     def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
         """Put the micro-batch on ``max(controller's rung, its bucket's)`` (``first``: of an optimizer step)."""
         controller = self.engine.controller
-        _, shape = self.read(trainer, batch)
+        shape, _ = self.read(trainer, batch, agree=False)  # this rank's own shape: no collective (module docstring)
         if first:
             self._shape, self.raised = shape, False
         bucket = bucket_of(shape)

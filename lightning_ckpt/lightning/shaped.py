@@ -8,7 +8,9 @@ change between one micro-batch's backward and the next forward, so each micro-ba
 have its own plan.
 
 - **The calibration's shape.** The budget's calibration (:class:`~lightning_ckpt.decide.budget.BudgetCalibration`)
-  runs its stages on batches of the first batch's exact shape (its per-block bytes are that shape's). A step of
+  runs its stages on batches of the first batch's exact shape (its per-block bytes are that shape's), and a batch of
+  exactly that shape runs the calibration's own plan, measured and verified (its modes may include the compiler's
+  budgets, ``compiler:<f>``, which the per-bucket plans also carry). A step of
   another shape during it runs under its bucket's own plan, priced on fake tensors, and is no stage (the stage runs
   again on the next step of the calibration's shape). With lengths that never repeat, pad to a multiple (a collator's
   ``pad_to_multiple_of=64``) so that the calibration's shape comes back.
@@ -97,13 +99,13 @@ class ShapeReader:
         self._source: Optional[Tuple[Any, Shape]] = None  # a real batch and its shape, resized to price a shape
         self._group: Any = None
 
-    def read(self, trainer: "pl.Trainer", batch: Any) -> Tuple[Shape, Shape]:
-        """The batch's shape on this rank and the step's (the maximum over the ranks); keeps this rank's longest
-        batch to resize."""
+    def read(self, trainer: "pl.Trainer", batch: Any, agree: bool = True) -> Tuple[Shape, Shape]:
+        """The batch's shape on this rank and the step's (with ``agree``, the maximum over the ranks: one all-reduce
+        under several processes); keeps this rank's longest batch to resize."""
         local = shape_of(batch, self.engine.settings.shape_fn)
         if self._source is None or local.tokens > self._source[1].tokens:
             self._source = (batch, local)  # repetition fills the rest when it is resized
-        return local, self._agree(trainer, local)
+        return local, self._agree(trainer, local) if agree else local
 
     def _fake_args(self, shape: Shape) -> tuple:
         """What a step on fake tensors at ``shape`` runs: the module, its plan, the loss, a batch of that shape, and
@@ -255,6 +257,9 @@ class ShapeSteps(ShapeReader):
         if not calibration.done and not self._discarded:
             self._discarded = True
             calibration.discard_step()  # no stage: it runs again on the next step of its shape
+        if calibration.done and shape == self.calibration_shape and calibration.chosen is not None:
+            self._apply_modes(tuple(calibration.chosen.modes), bucket, "the calibration's own shape")
+            return
         self._apply(self._plan(trainer, bucket))
 
     def _cap(self, shape: Shape) -> Optional[Shape]:
@@ -323,10 +328,12 @@ class ShapeSteps(ShapeReader):
                 logger.experiment.add_text("lightning_ckpt/shape_plans", text, global_step=trainer.global_step)
 
     def _apply(self, plan: BucketPlan) -> None:
-        if self.engine.plan.modes != plan.modes:
-            self.engine.set_modes(plan.modes)
-        self.engine.plan.context = (f"planned per batch shape ({RULE}): bucket {plan.bucket}, predicted activation "
-                                    f"peak {format_bytes(plan.predicted_peak)} of the budget "
+        self._apply_modes(plan.modes, plan.bucket, f"predicted activation peak {format_bytes(plan.predicted_peak)}")
+
+    def _apply_modes(self, modes: Tuple[str, ...], bucket: Shape, why: str) -> None:
+        if self.engine.plan.modes != modes:
+            self.engine.set_modes(modes)
+        self.engine.plan.context = (f"planned per batch shape ({RULE}): bucket {bucket}, {why}, budget "
                                     f"{format_bytes(self.budget)}")
 
     # ------------------------------------------------------------------------------------------ the step's end

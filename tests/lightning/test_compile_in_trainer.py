@@ -142,7 +142,8 @@ def test_budget_mixes_the_compilers_per_block_budgets_when_blocks_compile_one_by
     torch._dynamo.utils.counters.clear()
     seed_everything(0)
     model = BlockCompiledGPT(n_layer=2, n_embd=32, n_head=2, block_size=T, dropout=0.0)
-    cb = ActivationCheckpointing(policy="budget:1KiB")
+    # per_shape=False: an infeasible budget at the model's longest shape would stop the run before its first step
+    cb = ActivationCheckpointing(policy="budget:1KiB", per_shape=False)
     _fit(tmp_path, model, [cb], steps=5 + 3, precision=precision, accumulate_grad_batches=accumulate)
     calibration = cb.calibration
     modes = {f"compiler:{f:g}" for f in COMPILER_FRACTIONS}
