@@ -34,6 +34,7 @@ from lightning_ckpt.core.policy import (
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.units import GiB, format_bytes
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
+from lightning_ckpt.decide.anatomy import anatomy, anatomy_text, hidden_width, vocab_size
 from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration
 from lightning_ckpt.decide.controller import Controller, resolve_threshold
 from lightning_ckpt.decide.diagnosis import PhaseTracker
@@ -103,6 +104,8 @@ class CheckpointingEngine:
         self.shapes: Optional[ShapeSteps] = None  # budget: the plan per batch shape
         self.gate: Optional[ShapeGate] = None  # auto-toggle: the threshold per batch shape, before the step
         self._restore_dynamo: Optional[Any] = None  # puts dynamo's recompile limit back (room_for_plans)
+        self.last_attribution: Optional[Dict[str, Any]] = None  # the last reference step's peaks, named
+        self._step_shape: Any = None
         self.phase = PhaseTracker()
         self.guard = StepGuard(self)
         self.capacity: Optional[int] = settings.capacity_bytes
@@ -309,6 +312,7 @@ class CheckpointingEngine:
             return
         if not self.monitor.in_step:
             self._batch_shape = (sequence_length(batch), count_samples(batch))
+            self._step_shape = shape_of(batch, self.settings.shape_fn)
             calibrating = self.calibration is not None and not self.calibration.done
             if self.shapes is not None:  # the bucket's plan; the calibration's stage on its own bucket
                 self.shapes.before_micro_batch(trainer, batch, first=True)
@@ -321,6 +325,7 @@ class CheckpointingEngine:
             measured = self._logging or self._deciding or calibrating
             self.monitor.begin_step(measure=measured, key=self._step_key(trainer, batch) if measured else None,
                                     size=shape_of(batch, self.settings.shape_fn).tokens if measured else None,
+                                    attribute=self.plan.names if self.plan is not None else (),
                                     eager=calibrating, tokens=self._logging,
                                     state=_step_tensors(pl_module, trainer.optimizers, batch),
                                     exact=self.calibration.exact_step if calibrating else None,
@@ -388,6 +393,9 @@ class CheckpointingEngine:
             return
         result = self._as_compiled(result)
         self.last_result = result
+        if result.reading is not None and result.reading.attribution:  # a reference step: what its peaks held
+            self.last_attribution = {"step": trainer.global_step, "shape": self._step_shape,
+                                     "modes": self.plan.modes, "attribution": result.reading.attribution}
         self._note_length(result)
         metrics = result.metrics(self.settings.prefix)
         if self._logging:  # every figure reduced across ranks: one collective
@@ -525,12 +533,16 @@ class CheckpointingEngine:
             data["shape_plans"] = self.shapes.report()
         if self.gate is not None and self.gate.needed:
             data["shape_gate"] = self.gate.report()
+        if self.last_attribution is not None:
+            data["peak"] = self.peak_anatomy(trainer)
         folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None
         if folder is not None and trainer.is_global_zero:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, REPORT_FILE), "w") as fh:
                 json.dump(data, fh, indent=2)
         text = report_text(data) + (f"\n  per block, as the budget chose:\n{chosen.summary()}" if chosen else "")
+        if "peak" in data:
+            text += "\n" + anatomy_text(data["peak"])
         if "shape_plans" in data:
             text += "\n  per batch shape (micro-batch x length, buckets of powers of two):\n" + \
                 self.shapes.planner.table()
@@ -538,6 +550,23 @@ class CheckpointingEngine:
             if cache and cache["advice"]:
                 text += f"\n  - {cache['advice']}"
         return text
+
+    def peak_anatomy(self, trainer: Optional["pl.Trainer"] = None) -> Dict[str, Any]:
+        """The last reference step's attribution as the report's ``peak`` section
+        (:mod:`lightning_ckpt.decide.anatomy`): its tensors, the blocks in hidden-width tensors, the findings."""
+        last, module = self.last_attribution, self.module
+        shape = last["shape"]
+        precision = str(trainer.precision) if trainer is not None else ""
+        mixed = "mixed" in precision
+        param = next((p for p in module.parameters() if p.is_floating_point()), None) if module is not None else None
+        element = 2 if mixed else (param.element_size() if param is not None else 4)
+        data = anatomy(last["attribution"], shape.samples, shape.lengths[0] if shape.lengths else None,
+                       hidden_width(module) if module is not None else None, element,
+                       vocab=vocab_size(module) if module is not None else None, mixed=mixed,
+                       blocks=self.plan.names if self.plan is not None else (),
+                       checkpointed=[m != "off" for m in last["modes"]])
+        data.update(step=last["step"], shape=str(shape), modes=list(last["modes"]))
+        return data
 
     def release(self, trainer: "pl.Trainer") -> None:
         """Remove every hook and shim this engine installed (teardown, or a run that raised)."""

@@ -251,6 +251,8 @@ class StepGuard:
                  if "memory/" in k}
         last = engine.last_result.ledger if engine.last_result is not None else None
         text = diagnose(engine.phase.phase, lines, engine.capacity, last.phase_peaks if last is not None else None)
+        if engine.last_attribution is not None:  # which tensors: the last reference step's, labelled as such
+            text += "\n" + _peak_lines(engine)
         plan = engine.plan
         if engine.settings.on_oom == "escalate" and self.world_size > 1:
             text += (f"\nNot retried: with {self.world_size} processes a retry on one rank would meet its peers "
@@ -301,3 +303,23 @@ class StepGuard:
             if published:
                 exception.add_note(f"lightning_ckpt: this rank stopped because another ran out of memory — "
                                    f"{published}")
+
+
+def _peak_lines(engine: Any, top: int = 5) -> str:
+    """The largest tensors at the last reference step's activation peak, and its findings' codes."""
+    from lightning_ckpt.core.units import format_bytes
+
+    data = engine.peak_anatomy(engine.module.trainer if engine.module is not None else None)
+    peak = data.get("activation_peak")
+    if not peak:
+        return ""
+    rows = [f"At the activation peak of the last reference step (step {data['step']}, batch {data['shape']}, "
+            f"{peak['phase']} phase), {format_bytes(peak['bytes'])}; the largest tensors:"]
+    for t in peak["tensors"][:top]:
+        kept = f", kept by {t['kept_by']}" if t["kept_by"] else ""
+        rows.append(f"  {format_bytes(t['bytes']):>10}  {t['role']:<9} {tuple(t['shape'])} {t['dtype']} made by "
+                    f"{t['module'] or '(no module)'} ({t['op']}){kept}")
+    codes = [f["code"] for f in data.get("findings", [])]
+    if codes:
+        rows.append(f"Findings: {', '.join(codes)} (the report and docs/diagnosis.md say what each means).")
+    return "\n".join(rows)

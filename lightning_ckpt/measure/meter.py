@@ -79,12 +79,13 @@ import contextlib
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from lightning_ckpt.core.replay import register_replay_hook
+from lightning_ckpt.measure.attribution import AllocationLog, ModuleStack, PeakAttribution, attribute
 from lightning_ckpt.measure.tracker import LiveBytes, SavedBytes, exit_mode, exit_saved_hooks, storage_key, storages
 
 __all__ = ["CudaMemoryQueries", "StepMeter", "StepReading", "cuda_peaks", "device_capacity"]
@@ -116,6 +117,8 @@ class StepReading:
         calibrations: replays whose interior was measured per op this step (the rest reused a measurement).
         wall_s: host time from ``start_step`` to ``stop_step`` (no device sync: on an accelerator a single
             step's value runs ahead of the device; averages over several steps are accurate).
+        attribution: on an attributed exact step, what was alive at ``"activation peak"``, ``"forward end"`` and
+            (CPU) ``"total peak"`` (:class:`~lightning_ckpt.measure.attribution.PeakAttribution`); else ``None``.
     """
 
     activations: Optional[int]
@@ -130,6 +133,7 @@ class StepReading:
     reference: bool = False
     phase_peaks: Optional[Dict[str, int]] = None
     eager_figure: bool = False
+    attribution: Optional[Dict[str, PeakAttribution]] = None
 
     @property
     def exact(self) -> bool:
@@ -274,6 +278,7 @@ class StepMeter:
         self.device = _normalize_device(device)
         self.exact = exact
         self._static: frozenset = frozenset()
+        self._model: Optional[nn.Module] = None  # the watched model (attribution names its modules)
         if model is not None:
             self.watch(model)
         self._interiors: Dict[Tuple[Any, ...], int] = {}
@@ -284,6 +289,9 @@ class StepMeter:
         self._stance: Any = None
         self._key: Any = None
         self._size: Optional[float] = None  # the open step's batch size (tokens), to scale a reference's correction
+        self._modules: Optional[ModuleStack] = None
+        self._logs: Optional[Tuple[AllocationLog, AllocationLog]] = None
+        self._attribution_blocks: Tuple[str, ...] = ()
         self._total: Optional[LiveBytes] = None  # every storage of the step, on exact CPU steps (phases)
         self._phase: Optional[str] = None
         self._phased = False
@@ -300,6 +308,7 @@ class StepMeter:
     def watch(self, model: nn.Module) -> "StepMeter":
         """Never count ``model``'s buffers (e.g. attention masks, rotary tables) as activations."""
         self._static = frozenset(storage_key(st) for b in model.buffers() for st in storages(b))
+        self._model = model
         return self
 
     def forget_calibration(self) -> None:
@@ -346,7 +355,7 @@ class StepMeter:
     # -- the step
     def start_step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
                    eager: bool = False, state: Iterable[torch.Tensor] = (), hidden_recompute: bool = False,
-                   size: Optional[float] = None) -> None:
+                   size: Optional[float] = None, attribute: Optional[Sequence[str]] = None) -> None:
         """Reset the allocator peaks (no sync) and start counting activations.
 
         Args:
@@ -363,6 +372,9 @@ class StepMeter:
             size: how big the step's batch is (its tokens), when a key covers batches of several sizes (a bucket of
                 shapes): a later step's correction is the reference's scaled by ``size / reference size`` (the
                 temporaries it stands for, such as the logits' upcast, grow with the batch).
+            attribute: on an exact step of a watched model, name what is alive at the step's peaks
+                (:mod:`lightning_ckpt.measure.attribution`): the blocks' paths in the model, in order (``()`` for
+                none); the reading's ``attribution`` holds the result. ``None``: not attributed.
         """
         if self._open:
             warnings.warn("lightning_ckpt: StepMeter.start_step() called while a step was open; the open step "
@@ -384,10 +396,16 @@ class StepMeter:
             self._saved = SavedBytes(self.device, self._static)
             self._replay_handle = register_replay_hook(self._on_replay)
             self._saved.hooks.__enter__()
+        self._logs = None
+        if exact and attribute is not None and self._model is not None:
+            self._logs = self._attribution_logs(attribute)
         if exact:
-            self._live = LiveBytes(self.device, gate=torch.is_grad_enabled)
+            self._live = LiveBytes(self.device, gate=torch.is_grad_enabled,
+                                   log=self._logs[0] if self._logs else None)
+            if self._logs:
+                self._saved.on_save = self._logs[0].saved
             if not _has_allocator_counters(self.device):  # the allocator gives phase peaks on CUDA
-                self._total = LiveBytes(self.device)
+                self._total = LiveBytes(self.device, log=self._logs[1] if self._logs else None)
                 self._total.adopt(state)
                 self._total.__enter__()
             self._live.__enter__()
@@ -402,6 +420,8 @@ class StepMeter:
         """A phase boundary: ``"forward"`` (a micro-batch starts), ``"backward"`` or ``"optimizer"``."""
         if not self._open:
             return
+        if self._logs and name == "backward" and self._phase == "forward":
+            self._logs[0].mark("forward end", self._logs[0].events)  # the last forward's end
         self._close_phase()
         self._phase, self._phased = name, True
 
@@ -452,6 +472,7 @@ class StepMeter:
             eager_figure = self._replays != ref.replays or self._hidden_recompute
             scale = self._size / ref.size if self._size and ref.size else 1.0  # a bucket's batches differ in size
             activations = round(ref.exact * scale) if eager_figure else estimate + round(ref.offset * scale)
+        attribution = self._attributions(phases) if self._logs else None
         reading = StepReading(
             activations=activations,
             peak_allocated=peak_allocated,
@@ -465,18 +486,41 @@ class StepMeter:
             reference=reference,
             phase_peaks=phases or None,
             eager_figure=eager_figure,
+            attribution=attribution,
         )
         self.last = reading
         return reading
 
+    # -- attribution
+    def _attribution_logs(self, blocks: Sequence[str]) -> Tuple[AllocationLog, AllocationLog]:
+        """The activation line's and the whole memory's logs of an attributed exact step, sharing one module
+        stack (see :mod:`lightning_ckpt.measure.attribution`)."""
+        self._modules = ModuleStack(self._model).__enter__()
+        self._attribution_blocks = tuple(blocks)
+        replaying, phase = (lambda: self._replay_depth > 0), (lambda: self._phase)
+        return (AllocationLog(self._modules, replaying, phase), AllocationLog(self._modules, replaying, phase))
+
+    def _attributions(self, phases: Dict[str, int]) -> Dict[str, PeakAttribution]:
+        """What was alive at the activation peak, at the end of the forward and (CPU) at the whole memory's peak."""
+        line, total = self._logs
+        self._logs = None
+        out = {}
+        for moment, log, label in (("activation peak", line, "peak"), ("forward end", line, "forward end"),
+                                   ("total peak", total, "total peak")):
+            mark = log.marks.get(label)
+            if mark is not None:  # the activation line holds no copies: its moments name none (the total's do)
+                out[moment] = attribute(log, mark[0], moment, mark[2] or "forward", self._attribution_blocks,
+                                        copies=log is total)
+        return out
+
     @contextlib.contextmanager
     def step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
              eager: bool = False, state: Iterable[torch.Tensor] = (),
-             hidden_recompute: bool = False) -> Iterator["_ReadingBox"]:
+             hidden_recompute: bool = False, attribute: Optional[Sequence[str]] = None) -> Iterator["_ReadingBox"]:
         """``with meter.step() as box: ...`` then ``box.reading``; the step is closed even on an exception."""
         box = _ReadingBox()
         self.start_step(exact=exact, activations=activations, key=key, eager=eager, state=state,
-                        hidden_recompute=hidden_recompute)
+                        hidden_recompute=hidden_recompute, attribute=attribute)
         del state  # a list of the model state would keep last step's gradients alive through the step
         try:
             yield box
@@ -508,6 +552,9 @@ class StepMeter:
         """
         if not self._open:
             return
+        if self._modules is not None:  # the failed attempt's log says nothing of the retry: not attributed
+            modules, self._modules, self._logs = self._modules, None, None
+            modules.__exit__(None, None, None)
         activations = self._saved is not None
         exact = self._live is not None or (activations and key is not None and key not in self._references)
         # the trackers are popped in the reverse order of start_step's pushes; the phase tracker (below) stays
@@ -561,6 +608,9 @@ class StepMeter:
         if self._stance is not None:
             stance, self._stance = self._stance, None
             stance.__exit__(None, None, None)
+        if self._modules is not None:
+            modules, self._modules = self._modules, None
+            modules.__exit__(None, None, None)
         self._open = False
 
     def __del__(self) -> None:  # a meter dropped mid-step must not leave hooks behind

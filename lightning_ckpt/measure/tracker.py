@@ -82,6 +82,7 @@ class SavedBytes:
         self.pack = self._pack_cpu if kind == "cpu" else self._pack_cuda if kind == "cuda" else self._pack_any
         self.index = device.index if device.index is not None else 0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        self.on_save: Optional[Callable[[int], None]] = None  # told each saved storage's key (attribution only)
 
     def _pack_cpu(self, t: torch.Tensor) -> torch.Tensor:
         root = t._base
@@ -96,6 +97,8 @@ class SavedBytes:
                 ref = self.tracked.get(key)
                 if ref is None:
                     ref = self._add(root, key)
+                if self.on_save is not None:
+                    self.on_save(key)
         return self._held(t, ref) if t is root and t.requires_grad else t
 
     def _pack_cuda(self, t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +114,8 @@ class SavedBytes:
                 ref = self.tracked.get(key)
                 if ref is None:
                     ref = self._add(root, key)
+                if self.on_save is not None:
+                    self.on_save(key)
         return self._held(t, ref) if t is root and t.requires_grad else t
 
     def _pack_any(self, t: torch.Tensor) -> torch.Tensor:
@@ -126,6 +131,8 @@ class SavedBytes:
                 ref = self.tracked.get(key)
                 if ref is None:
                     ref = self._add(root, key)
+                if self.on_save is not None:
+                    self.on_save(key)
         return self._held(t, ref) if t is root and t.requires_grad else t
 
     def _held(self, t: torch.Tensor, ref: Optional[_StorageRef]) -> torch.Tensor:
@@ -156,6 +163,8 @@ class SavedBytes:
             key = storage_key(st)
             if key not in self.tracked and key not in self.static:
                 self._add(st, key, st.nbytes())
+            if self.on_save is not None:
+                self.on_save(key)
         return held
 
     def _add(self, obj, key: int, nbytes: Optional[int] = None) -> _StorageRef:
@@ -199,11 +208,12 @@ class LiveBytes(TorchDispatchMode):
     """
 
     def __init__(self, device: torch.device, skip: Optional[Dict[int, Any]] = None,
-                 gate: Optional[Callable[[], bool]] = None) -> None:
+                 gate: Optional[Callable[[], bool]] = None, log: Any = None) -> None:
         super().__init__()
         self.device = device
         self.skip = skip if skip is not None else {}
         self.gate = gate
+        self.log = log  # an AllocationLog (lightning_ckpt.measure.attribution): told every storage's life
         self.tracked: Dict[int, _StorageRef] = {}
         self.live = self.peak = 0
         self.copies_live = self.copies_peak = 0
@@ -224,7 +234,7 @@ class LiveBytes(TorchDispatchMode):
             for st in storages(t):
                 key = storage_key(st)
                 if key not in used and key not in self.tracked and key not in self.skip:
-                    self._add(st, key, copy)
+                    self._add(st, key, copy, func, t)
         return out
 
     def adopt(self, tensors) -> None:
@@ -241,21 +251,32 @@ class LiveBytes(TorchDispatchMode):
         self.peak, self.copies_peak = self.live, self.copies_live
         self.total_peak = self.live + self.copies_live
 
-    def _add(self, st, key: int, copy: bool) -> None:
+    def _add(self, st, key: int, copy: bool, func: Any = None, tensor: Optional[torch.Tensor] = None) -> None:
         ref = _StorageRef(st, self._freed)
         ref.key, ref.copy = key, copy
         ref.nbytes = n = st.nbytes()
         self.tracked[key] = ref
+        if self.log is not None and tensor is not None:
+            self.log.alloc(key, n, copy, func, tensor)
         if copy:
             self.copies_live += n
             self.copies_peak = max(self.copies_peak, self.copies_live)
+        elif self.live + n > self.peak:
+            self.live += n
+            self.peak = self.live
+            if self.log is not None:
+                self.log.mark("peak", self.live)
         else:
             self.live += n
-            self.peak = max(self.peak, self.live)
-        self.total_peak = max(self.total_peak, self.live + self.copies_live)
+        if self.live + self.copies_live > self.total_peak:
+            self.total_peak = self.live + self.copies_live
+            if self.log is not None:
+                self.log.mark("total peak", self.total_peak)
 
     def _freed(self, ref: _StorageRef) -> None:
         if self.tracked.get(ref.key) is ref:
+            if self.log is not None:
+                self.log.free(ref.key)
             del self.tracked[ref.key]
             if ref.copy:
                 self.copies_live -= ref.nbytes

@@ -264,3 +264,43 @@ def test_report_reads_quadratic_growth_from_steps_of_different_lengths(tmp_path)
     trainer.fit(VariableLength())
     assert sorted(cb._engine._by_length[("off", "off")]) == [64, 128, 256]  # per plan: one plan here
     assert "square of sequence length" in cb.report(trainer)
+
+
+# ------------------------------------------------------------------------------------- what is alive at the peak
+
+
+def test_the_report_names_the_tensors_at_the_peak_in_the_seeds_units(tmp_path, capsys):
+    from lightning_ckpt.demos import CharDataModule, GPTLightningModule
+
+    seed_everything(0)
+    data = CharDataModule(seq_len=32, batch_size=4)
+    data.setup()
+    model = GPTLightningModule(n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=data.vocab_size,
+                               dropout=0.0)
+    cb = ActivationCheckpointing(policy="every:2")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=3, log_every_n_steps=1, limit_val_batches=0,
+                                       num_sanity_val_steps=0), callbacks=[cb])
+    trainer.fit(model, datamodule=data)
+    printed = capsys.readouterr().out
+    assert "what is alive at the activation peak" in printed and "hidden-width tensors" in printed
+    data = json.loads((tmp_path / "csv" / "version_0" / "lightning_ckpt_report.json").read_text())
+    peak = data["peak"]
+    assert peak["hidden"] == 32 and peak["unit_bytes"] == peak["samples"] * peak["length"] * 32 * 4
+    act = peak["activation_peak"]
+    assert {"module", "op", "shape", "dtype", "bytes", "role"} <= set(act["tensors"][0])
+    assert act["bytes"] == sum(int(v) for v in act["per_block"].values()) + act["outside_blocks"]
+    assert [b["name"] for b in peak["per_block"]] == list(cb.plan.names)
+    per_block = [b["hidden_tensors"] for b in peak["per_block"]]
+    assert per_block[0] == 1.0 and per_block[1] > 5  # every:2: block 0 keeps its input, block 1 its interior
+    assert isinstance(peak["findings"], list) and peak["seed_arithmetic"]
+
+
+def test_an_out_of_memory_error_names_the_last_reference_steps_tensors(tmp_path):
+    seed_everything(0)
+    cb = ActivationCheckpointing(policy="none")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=4, log_every_n_steps=1), callbacks=[cb])
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        trainer.fit(PhaseModel("forward", at_step=2))
+    text = str(err.value)
+    assert "At the activation peak of the last reference step (step " in text and ", batch 8 x 8," in text
+    assert "made by layers." in text  # the tensors, by module
