@@ -10,6 +10,7 @@ from typing import Optional
 
 from lightning_ckpt.core.policy import parse_policy_list
 from lightning_ckpt.core.units import format_bytes, parse_size, unit_for
+from lightning_ckpt.decide.anatomy import anatomy_text
 from lightning_ckpt.forecast.load import load_init_args
 from lightning_ckpt.forecast.numbers import (
     DEFAULT_POLICIES,
@@ -210,6 +211,10 @@ def _run_plan_model(args) -> int:
     if replays:
         print("largest replay transient (one region's interior while it is recomputed, included above): "
               + ", ".join(f"{p} {format_bytes(v)}" for p, v in replays.items()))
+    first = next(iter(forecast.anatomy), None)
+    if first is not None:  # the anatomy of the first policy's step (--json has every policy's)
+        print(f"policy {first!r}, traced:")
+        print(anatomy_text(forecast.anatomy[first]))
     if attention is not None:
         calls = ", ".join(attention["decisions"]) or "no scaled_dot_product_attention call traced"
         print(f"attention on {attention['gpu']}: {calls}")

@@ -49,6 +49,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from rich.console import Console
 
+    from lightning_ckpt.decide.anatomy import anatomy_text
+
     report = profile(
         args.model, args.init_args, config=args.config, datamodule=args.datamodule,
         datamodule_args=args.datamodule_args, policies=args.policies, micro_batches=args.micro_batches,
@@ -63,6 +65,10 @@ def run(args) -> int:
     console.print(table(report))
     for line in conclusions(report):
         console.print(line, highlight=False, soft_wrap=True)
+    named = next((r for r in report.results if r.anatomy), None)
+    if named is not None:  # what one configuration's peak held, named (every configuration's is in the JSON)
+        console.print(f"{named.name}:", highlight=False)
+        console.print(anatomy_text(named.anatomy), highlight=False, soft_wrap=True)
     console.print("wrote " + ", ".join(report.outputs.values()), highlight=False, soft_wrap=True)
     return 1 if report.results and all(r.error for r in report.results) else 0
 

@@ -95,10 +95,10 @@ class Finding:
 def _relative(path: Optional[str], block: str) -> str:
     """A module path inside ``block`` as the block sees it (``mlp.c_fc``); the block itself is ``block``; a path
     outside it as it is (the previous block's output kept as this one's input)."""
-    if not path:
-        return "(no module)"
+    if not path:  # made by the root module's own code, outside every block: an input to the block keeping it
+        return "its input"
     if path == block:
-        return "the block's own code"
+        return "the block's code"
     return path[len(block) + 1:] if path.startswith(block + ".") else "its input"
 
 
@@ -111,8 +111,8 @@ def block_units(forward_end: PeakAttribution, unit: int, blocks: Sequence[str] =
         if t.role == "kept" and t.block is not None:
             block = blocks[t.block] if t.block < len(blocks) else ""
             maker = _relative(t.module, block)
-            what = (f"{maker} kept by {_relative(t.kept_by or t.module, block)}" if maker == "its input" else
-                    f"{maker} output kept by {_relative(t.kept_by or t.module, block)}")
+            keeper = _relative(t.kept_by or t.module, block)
+            what = f"its input kept by {keeper}" if maker == "its input" else f"output of {maker} kept by {keeper}"
             sums.setdefault(t.block, {})[what] = sums.setdefault(t.block, {}).get(what, 0) + t.bytes
     out: Dict[int, List[tuple]] = {}
     for block, parts in sums.items():
@@ -129,7 +129,8 @@ def anatomy(attribution: Dict[str, PeakAttribution], samples: int, length: Optio
     arithmetic, and the findings (see the module docstring)."""
     peak = attribution.get("activation peak")
     end = attribution.get("forward end")
-    out: Dict[str, Any] = {"samples": samples, "length": length, "hidden": hidden, "element_size": element_size}
+    out: Dict[str, Any] = {"samples": samples, "length": length, "hidden": hidden, "element_size": element_size,
+                           "shape": f"{samples} x {length}" if length else str(samples)}
     if peak is not None:
         out["activation_peak"] = peak.as_dict()
     if attribution.get("total peak") is not None:

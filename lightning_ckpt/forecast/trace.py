@@ -53,6 +53,8 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.core.policy import parse_policy
 from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing
+from lightning_ckpt.decide.anatomy import anatomy, hidden_width
+from lightning_ckpt.decide.anatomy import vocab_size as vocab_of
 from lightning_ckpt.decide.pricing import hf_masks_as_on_real_tensors
 from lightning_ckpt.forecast.load import TORCH_OPTIMIZERS, build_model, lightning_step, make_batch, make_optimizers
 from lightning_ckpt.forecast.numbers import DTYPE_BYTES, LedgerForecast, crossing_line, phase_crossing
@@ -84,6 +86,8 @@ class ModelForecast(LedgerForecast):
         precision: the Lightning precision name the step was traced in.
         trace_s: per policy, seconds the fake forward and backward took.
         device: whose kernels the trace reproduced (``"cpu"`` or ``"cuda"``).
+        anatomy: per policy, what is alive at the traced step's peaks, named, in the seed's units, with the
+            findings (:func:`lightning_ckpt.decide.anatomy.anatomy`; the training report's ``peak`` section).
     """
 
     autocast_copies: Dict[str, int] = field(default_factory=dict)
@@ -95,6 +99,7 @@ class ModelForecast(LedgerForecast):
     replay_interior: Dict[str, int] = field(default_factory=dict)
     trace_s: Dict[str, float] = field(default_factory=dict)
     device: str = "cpu"
+    anatomy: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
 
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
@@ -256,6 +261,7 @@ def forecast_model(
     interiors: Dict[str, int] = {}
     phases: Dict[str, Dict[str, int]] = {}
     times: Dict[str, float] = {}
+    peaks: Dict[str, Dict[str, Any]] = {}
     semantics = _semantics(device, sdpa_backend, mode, gpu, sdpa_log)
     try:
         opts = make_optimizers(model, optimizer, foreach=_default_foreach(device, foreach))
@@ -273,13 +279,18 @@ def forecast_model(
                                    (t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                with fake, semantics(), meter.step(exact=True, state=live) as box:
+                with fake, semantics(), meter.step(exact=True, state=live, attribute=plan.names) as box:
                     _trace_step(model, batch, label, policy, mode, opts, meter)
             times[policy] = time.perf_counter() - t0
             activations[policy] = box.reading.activations
             copies[policy] = box.reading.autocast_copies or 0
             interiors[policy] = meter.largest_replay_interior
             phases[policy] = dict(box.reading.phase_peaks or {})
+            if box.reading.attribution:
+                element = torch.empty((), dtype=mode.autocast_dtype or dtype or torch.float32).element_size()
+                peaks[policy] = anatomy(box.reading.attribution, micro_batch, seq_len, hidden_width(model), element,
+                                        vocab=vocab_size or vocab_of(model), mixed=mode.autocast_dtype is not None,
+                                        blocks=plan.names, checkpointed=[m != "off" for m in plan.modes])
     finally:
         hook.remove()
         remove_checkpointing(model)
@@ -306,7 +317,7 @@ def forecast_model(
         activations=activations, peak=peak, capacity=capacity, fits=fits, crosses=crosses, inputs=inputs,
         phase_peaks=phases, model=label, num_params=sum(p.numel() for p in model.parameters()), blocks=num_blocks,
         block_class=block_class, replay_interior=interiors, trace_s=times, autocast_copies=copies,
-        precision=mode.name, device=device,
+        precision=mode.name, device=device, anatomy=peaks,
     )
 
 

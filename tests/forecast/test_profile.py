@@ -201,6 +201,10 @@ def test_profile_measures_the_phase_peaks_and_marks_the_limiting_phase(in_tmp):
     assert "◀" in md and "the phase that limits the configuration" in md
     peaks = [v for r in report.results for v in (r.peak, r.activations, *r.phase_peaks.values())]
     assert f"fwd peak {unit_for(max(peaks))[0]}" in md  # the unit of the table's largest value
+    # each configuration's reference step, named: checkpointed blocks keep their inputs, one hidden-width tensor
+    assert [b["hidden_tensors"] for b in by["all"].anatomy["per_block"]] == [1.0] * len(by["all"].anatomy[
+        "per_block"])
+    assert by["none"].anatomy["activation_peak"]["bytes"] == by["none"].activations
 
 
 def _report(rows, device="cpu"):

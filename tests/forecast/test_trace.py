@@ -362,3 +362,34 @@ print("planned")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "planned" in done.stdout, done.stderr[-2000:]
+
+
+def test_plan_names_what_is_alive_at_the_peak_as_a_real_step_does(capsys):
+    """The fake trace names the same tensors, in the same hidden-width units, as the meter on a real step."""
+    from lightning_ckpt.decide.anatomy import anatomy, hidden_width
+
+    init = dict(n_layer=2, n_embd=32)
+    forecast = forecast_model(TINY, init, micro_batch=2, seq_len=32, policies=("none", "all"))
+    torch.manual_seed(0)
+    model = build_model(TINY, init)
+    model.train()
+    batch = make_batch(model, 2, 32)
+    for policy in ("none", "all"):
+        plan = apply_policy(model, policy)
+        meter = StepMeter("cpu", model=model)
+        with meter.step(exact=True, attribute=plan.names) as box:
+            loss = step_loss(model, batch)
+            meter.phase("backward")
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        real = anatomy(box.reading.attribution, 2, 32, hidden_width(model), 4, blocks=plan.names,
+                       checkpointed=[m != "off" for m in plan.modes])
+        traced = forecast.anatomy[policy]
+        assert [b["hidden_tensors"] for b in traced["per_block"]] == [b["hidden_tensors"] for b in real["per_block"]]
+        assert traced["activation_peak"]["by_role"]["kept"] == real["activation_peak"]["by_role"]["kept"]
+        assert [f["code"] for f in traced["findings"]] == [f["code"] for f in real["findings"]]
+    assert [b["hidden_tensors"] for b in forecast.anatomy["all"]["per_block"]] == [1.0, 1.0]
+    assert main(["plan", "--model", TINY, "--init-args", json.dumps(init), "--micro-batch", "2", "--seq-len", "32",
+                 "--policies", "none,all"]) == 0
+    out = capsys.readouterr().out
+    assert "policy 'none', traced:" in out and "hidden-width tensors" in out and "[wide_mlp]" in out

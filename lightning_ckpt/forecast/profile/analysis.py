@@ -46,6 +46,7 @@ class ProfileResult:
     fits: Optional[bool] = None
     loss: Optional[float] = None
     phase_peaks: Optional[Dict[str, int]] = None
+    anatomy: Optional[Dict[str, Any]] = None
 
     @property
     def peak_phase(self) -> Optional[str]:

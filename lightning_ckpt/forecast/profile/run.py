@@ -394,7 +394,8 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
             t_step = time.perf_counter()
             # the first step creates the optimizer state: the steady state's exact reference is the next one
             steady = all(bool(opt.state) for opt in opts)
-            meter.start_step(key=(result.name, steady), state=[*state_tensors(module, opts), *_tensors_of(batch)])
+            meter.start_step(key=(result.name, steady), state=[*state_tensors(module, opts), *_tensors_of(batch)],
+                             attribute=plan.names)
             try:
                 for k in range(result.accumulate):  # Lightning's order: forward, zero_grad, backward
                     meter.phase("forward")
@@ -429,6 +430,8 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
                 result.loss = float(last_loss)
             bar.advance()
             done += 1
+            if reading.attribution:  # an exact reference step (a warm-up one): what its peaks held, the last kept
+                result.anatomy = _anatomy(module, plan, reading, result, precision)
             if i < warmup:
                 continue
             rows["fwd"].append(fwd)
@@ -494,3 +497,16 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
             torch.cuda.empty_cache()
 
 
+
+
+def _anatomy(module, plan, reading, result, precision: str) -> Dict[str, Any]:
+    """A configuration's reference step, named in the seed's units (:func:`lightning_ckpt.decide.anatomy.anatomy`)."""
+    from lightning_ckpt.decide.anatomy import anatomy, hidden_width, vocab_size
+
+    mode = parse_precision(precision)
+    param = next((p for p in module.parameters() if p.is_floating_point()), None)
+    element = torch.empty((), dtype=mode.autocast_dtype).element_size() if mode.autocast_dtype is not None else (
+        param.element_size() if param is not None else 4)
+    return anatomy(reading.attribution, result.micro_batch, result.seq_len, hidden_width(module), element,
+                   vocab=vocab_size(module), mixed=mode.autocast_dtype is not None, blocks=plan.names,
+                   checkpointed=[m != "off" for m in plan.modes])
