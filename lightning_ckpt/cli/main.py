@@ -9,6 +9,8 @@ Sub-commands:
   configuration (see :mod:`lightning_ckpt.forecast.profile`).
 - ``frontier``: the fastest per-block plan at every activation budget beside the fixed modes, with a picture
   (see :mod:`lightning_ckpt.forecast.profile.frontier`).
+- ``timeline``: a picture of one training step per plan, memory over the step's operations stacked by ledger line
+  (see :mod:`lightning_ckpt.measure.timeline`).
 
 Bad input prints one line ``lightning-ckpt <command>: error: ...`` on stderr and exits with status 2, before
 anything is written.
@@ -20,7 +22,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from lightning_ckpt.cli import frontier, plan, profile
+from lightning_ckpt.cli import frontier, plan, profile, timeline
 
 __all__ = ["main"]
 
@@ -38,12 +40,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan.add_parser(sub)
     profile.add_parser(sub)
     frontier.add_parser(sub)
+    timeline.add_parser(sub)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
     try:
-        return {"plan": plan.run, "profile": profile.run, "frontier": frontier.run}[args.command](args)
+        return {"plan": plan.run, "profile": profile.run, "frontier": frontier.run,
+                "timeline": timeline.run}[args.command](args)
     except (ValueError, TypeError) as err:
         print(f"lightning-ckpt {args.command}: error: {err}", file=sys.stderr)
         return 2

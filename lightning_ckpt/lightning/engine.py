@@ -35,7 +35,7 @@ from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.units import GiB, format_bytes
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
 from lightning_ckpt.decide.anatomy import anatomy, anatomy_text, hidden_width, vocab_size
-from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration
+from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration, mode_mix
 from lightning_ckpt.decide.controller import Controller, resolve_threshold
 from lightning_ckpt.decide.diagnosis import PhaseTracker
 from lightning_ckpt.decide.escalation import host_room, offload_refusal
@@ -60,14 +60,16 @@ from lightning_ckpt.lightning.shaped import ShapeSteps
 from lightning_ckpt.measure.ledger import state_tensors
 from lightning_ckpt.measure.meter import device_capacity
 from lightning_ckpt.measure.monitor import StepMonitor, StepResult
+from lightning_ckpt.measure.timeline import draw_timelines, matplotlib_available
 from lightning_ckpt.measure.tokens import count_samples, sequence_length
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
-__all__ = ["REPORT_FILE", "STATE_VERSION", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
+__all__ = ["REPORT_FILE", "STATE_VERSION", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
 
 REPORT_FILE = "lightning_ckpt_report.json"
+TIMELINE_FILE = "memory_timeline.png"
 STATE_VERSION = 1
 _STATE_KEYS = frozenset({"version", "policy", "plan_policy", "names", "modes", "controller"})
 
@@ -395,7 +397,8 @@ class CheckpointingEngine:
         self.last_result = result
         if result.reading is not None and result.reading.attribution:  # a reference step: what its peaks held
             self.last_attribution = {"step": trainer.global_step, "shape": self._step_shape,
-                                     "modes": self.plan.modes, "attribution": result.reading.attribution}
+                                     "modes": self.plan.modes, "attribution": result.reading.attribution,
+                                     "timeline": result.reading.timeline}
         self._note_length(result)
         metrics = result.metrics(self.settings.prefix)
         if self._logging:  # every figure reduced across ranks: one collective
@@ -540,6 +543,7 @@ class CheckpointingEngine:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, REPORT_FILE), "w") as fh:
                 json.dump(data, fh, indent=2)
+            self._draw_timeline(trainer, folder)
         text = report_text(data) + (f"\n  per block, as the budget chose:\n{chosen.summary()}" if chosen else "")
         if "peak" in data:
             text += "\n" + anatomy_text(data["peak"])
@@ -550,6 +554,25 @@ class CheckpointingEngine:
             if cache and cache["advice"]:
                 text += f"\n  - {cache['advice']}"
         return text
+
+    def _draw_timeline(self, trainer: "pl.Trainer", folder: str) -> None:
+        """The last reference step's memory over its operations: ``memory_timeline.png`` beside the report and a
+        TensorBoard image (when matplotlib is installed; :mod:`lightning_ckpt.measure.timeline`)."""
+        timeline = (self.last_attribution or {}).get("timeline")
+        if timeline is None or not matplotlib_available():
+            return
+        last = self.last_attribution
+        timeline.label = (f"step {last['step']}, batch {last['shape']}, plan {mode_mix(last['modes'])}")
+        figure = draw_timelines([timeline], os.path.join(folder, TIMELINE_FILE),
+                                f"{self.owner}: memory over one reference step")
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_figure("lightning_ckpt/memory_timeline", figure, global_step=last["step"])
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
 
     def peak_anatomy(self, trainer: Optional["pl.Trainer"] = None) -> Dict[str, Any]:
         """The last reference step's attribution as the report's ``peak`` section

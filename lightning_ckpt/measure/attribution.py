@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-__all__ = ["ROLES", "AllocationLog", "ModuleStack", "PeakAttribution", "PeakTensor", "attribute"]
+__all__ = ["ROLES", "AllocationLog", "ModuleStack", "PeakAttribution", "PeakTensor", "attribute", "role_of"]
 
 ROLES = ("kept", "replay", "copy", "temporary")
 
@@ -89,6 +89,22 @@ class _Record:
     end: Optional[int] = None
     saved_at: Optional[int] = None
     saved_by: Optional[str] = None
+    phase: Optional[str] = None
+    grad_mode: bool = True
+    twin: Optional["_Record"] = None  # the activation line's record of the same storage (in the whole memory's log)
+    key: int = 0
+    state: Optional[str] = None  # a storage of the model state alive when the step started: its ledger line
+
+
+class _Clock:
+    """One event counter for the logs of a step, so that their events interleave in the order they happened."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def tick(self) -> int:
+        self.now += 1
+        return self.now - 1
 
 
 class AllocationLog:
@@ -100,33 +116,53 @@ class AllocationLog:
     """
 
     def __init__(self, modules: ModuleStack, replaying: Callable[[], bool] = lambda: False,
-                 phase: Callable[[], Optional[str]] = lambda: None) -> None:
+                 phase: Callable[[], Optional[str]] = lambda: None, clock: Optional[_Clock] = None,
+                 partner: Optional["AllocationLog"] = None) -> None:
         self.modules, self.replaying, self.phase = modules, replaying, phase
-        self.events = 0
+        self.clock = clock if clock is not None else _Clock()
+        self.partner = partner  # the whole memory's log: each of this log's records is linked to its own there
         self.live: Dict[int, _Record] = {}
         self.records: List[_Record] = []
         self.marks: Dict[str, Tuple[int, int, Optional[str]]] = {}  # label -> (event, value, phase)
+        self.boundaries: List[Tuple[int, str]] = []  # (event, phase that starts there)
+
+    @property
+    def events(self) -> int:
+        return self.clock.now
 
     def alloc(self, key: int, nbytes: int, copy: bool, func: Any, tensor: torch.Tensor) -> None:
         op = str(getattr(func, "_overloadpacket", func)).replace("aten::", "aten.").split(".default")[0]
-        rec = _Record(self.events, nbytes, copy, self.modules.current, op, tuple(tensor.shape),
-                      str(tensor.dtype).replace("torch.", ""), self.replaying())
-        self.events += 1
+        rec = _Record(self.clock.tick(), nbytes, copy, self.modules.current, op, tuple(tensor.shape),
+                      str(tensor.dtype).replace("torch.", ""), self.replaying(), phase=self.phase(),
+                      grad_mode=torch.is_grad_enabled(), key=key)
         self.live[key] = rec
         self.records.append(rec)
+        other = self.partner.live.get(key) if self.partner is not None else None
+        if other is not None:
+            other.twin = rec
+
+    def adopt(self, key: int, nbytes: int, line: str) -> None:
+        """A storage of the model state alive when the step starts (``line``: ``parameters``, ``gradients``,
+        ``optimizer state``), followed until it is freed (a ``zero_grad(set_to_none=True)`` frees the gradients)."""
+        if key not in self.live:  # all at the step's first event: they were there before it
+            rec = _Record(0, nbytes, False, "", "(state)", (), "", False, key=key, state=line)
+            self.live[key] = rec
+            self.records.append(rec)
 
     def free(self, key: int) -> None:
         rec = self.live.pop(key, None)
         if rec is not None:
-            rec.end = self.events
-            self.events += 1
+            rec.end = self.clock.tick()
 
     def saved(self, key: int) -> None:
         """A pack hook saw the storage ``key`` (first save wins: the keeper)."""
         rec = self.live.get(key)
         if rec is not None and rec.saved_at is None:
-            rec.saved_at, rec.saved_by = self.events, self.modules.current
-            self.events += 1
+            rec.saved_at, rec.saved_by = self.clock.tick(), self.modules.current
+
+    def boundary(self, phase: str) -> None:
+        """A phase starts now."""
+        self.boundaries.append((self.events, phase))
 
     def mark(self, label: str, value: int = 0) -> None:
         """Remember this moment (the last event so far) under ``label``, with the step's phase; a later mark of the
@@ -206,6 +242,16 @@ def _block_of(path: Optional[str], blocks: Sequence[str]) -> Optional[int]:
     return None
 
 
+def role_of(r: _Record, at: int) -> str:
+    """A record's role at event ``at``; a record of the whole memory's log takes its activation-line twin's."""
+    src = r.twin if r.twin is not None else r
+    if r.copy:
+        return "copy"
+    if src.saved_at is not None and src.saved_at <= at:
+        return "kept"
+    return "replay" if src.replay else "temporary"
+
+
 def attribute(log: AllocationLog, at: int, moment: str, phase: str, blocks: Sequence[str] = (),
               copies: bool = True) -> PeakAttribution:
     """Name every storage alive at event ``at`` of ``log`` (roles, blocks: see the module docstring). ``blocks``
@@ -213,13 +259,14 @@ def attribute(log: AllocationLog, at: int, moment: str, phase: str, blocks: Sequ
     line never holds them: then the tensors add up to it)."""
     tensors = []
     for r in log.alive(at):
-        if r.copy and not copies:
+        if (r.copy and not copies) or r.state is not None:  # the model state is the ledger's, not a tensor here
             continue
-        kept = r.saved_at is not None and r.saved_at <= at
-        role = "copy" if r.copy else "kept" if kept else "replay" if r.replay else "temporary"
-        owner = r.saved_by if role == "kept" else r.module
+        role = role_of(r, at)
+        src = r.twin if r.twin is not None else r
+        kept = role == "kept"
+        owner = src.saved_by if kept else r.module
         tensors.append(PeakTensor(r.module, r.op, r.shape, r.dtype, r.nbytes, role, _block_of(owner, blocks),
-                                  r.saved_by if kept else None))
+                                  src.saved_by if kept else None))
     tensors.sort(key=lambda t: -t.bytes)
     result = PeakAttribution(moment, phase, tensors)
     for t in tensors:

@@ -86,6 +86,7 @@ from torch import nn
 
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.measure.attribution import AllocationLog, ModuleStack, PeakAttribution, attribute
+from lightning_ckpt.measure.timeline import Timeline, build_timeline
 from lightning_ckpt.measure.tracker import LiveBytes, SavedBytes, exit_mode, exit_saved_hooks, storage_key, storages
 
 __all__ = ["CudaMemoryQueries", "StepMeter", "StepReading", "cuda_peaks", "device_capacity"]
@@ -119,6 +120,8 @@ class StepReading:
             step's value runs ahead of the device; averages over several steps are accurate).
         attribution: on an attributed exact step, what was alive at ``"activation peak"``, ``"forward end"`` and
             (CPU) ``"total peak"`` (:class:`~lightning_ckpt.measure.attribution.PeakAttribution`); else ``None``.
+        timeline: on an attributed exact step, its memory over its operations by ledger line
+            (:class:`~lightning_ckpt.measure.timeline.Timeline`); else ``None``.
     """
 
     activations: Optional[int]
@@ -134,6 +137,7 @@ class StepReading:
     phase_peaks: Optional[Dict[str, int]] = None
     eager_figure: bool = False
     attribution: Optional[Dict[str, PeakAttribution]] = None
+    timeline: Optional[Timeline] = None
 
     @property
     def exact(self) -> bool:
@@ -292,6 +296,7 @@ class StepMeter:
         self._modules: Optional[ModuleStack] = None
         self._logs: Optional[Tuple[AllocationLog, AllocationLog]] = None
         self._attribution_blocks: Tuple[str, ...] = ()
+        self._base: Dict[str, int] = {}
         self._total: Optional[LiveBytes] = None  # every storage of the step, on exact CPU steps (phases)
         self._phase: Optional[str] = None
         self._phased = False
@@ -399,6 +404,8 @@ class StepMeter:
         self._logs = None
         if exact and attribute is not None and self._model is not None:
             self._logs = self._attribution_logs(attribute)
+            state = list(state)  # read twice: the base of the timeline, and adopted by the phase tracker below
+            self._base = self._state_base(state)
         if exact:
             self._live = LiveBytes(self.device, gate=torch.is_grad_enabled,
                                    log=self._logs[0] if self._logs else None)
@@ -407,6 +414,8 @@ class StepMeter:
             if not _has_allocator_counters(self.device):  # the allocator gives phase peaks on CUDA
                 self._total = LiveBytes(self.device, log=self._logs[1] if self._logs else None)
                 self._total.adopt(state)
+                if self._logs:  # the state's storages in the log too: the timeline follows them until freed
+                    self._adopt_state(self._logs[1], state)
                 self._total.__enter__()
             self._live.__enter__()
         self._phase_peaks = {}
@@ -422,6 +431,8 @@ class StepMeter:
             return
         if self._logs and name == "backward" and self._phase == "forward":
             self._logs[0].mark("forward end", self._logs[0].events)  # the last forward's end
+        if self._logs and name != self._phase:
+            self._logs[0].boundary(name)
         self._close_phase()
         self._phase, self._phased = name, True
 
@@ -472,6 +483,7 @@ class StepMeter:
             eager_figure = self._replays != ref.replays or self._hidden_recompute
             scale = self._size / ref.size if self._size and ref.size else 1.0  # a bucket's batches differ in size
             activations = round(ref.exact * scale) if eager_figure else estimate + round(ref.offset * scale)
+        timeline = self._timeline() if self._logs else None
         attribution = self._attributions(phases) if self._logs else None
         reading = StepReading(
             activations=activations,
@@ -487,6 +499,7 @@ class StepMeter:
             phase_peaks=phases or None,
             eager_figure=eager_figure,
             attribution=attribution,
+            timeline=timeline,
         )
         self.last = reading
         return reading
@@ -497,8 +510,44 @@ class StepMeter:
         stack (see :mod:`lightning_ckpt.measure.attribution`)."""
         self._modules = ModuleStack(self._model).__enter__()
         self._attribution_blocks = tuple(blocks)
-        replaying, phase = (lambda: self._replay_depth > 0), (lambda: self._phase)
-        return (AllocationLog(self._modules, replaying, phase), AllocationLog(self._modules, replaying, phase))
+        replaying, phase = (lambda: self._replay_depth > 0), (lambda: self._phase or "forward")
+        total = AllocationLog(self._modules, replaying, phase)
+        return AllocationLog(self._modules, replaying, phase, clock=total.clock, partner=total), total
+
+    def _state_base(self, state: Sequence[torch.Tensor]) -> Dict[str, int]:
+        """What the timeline stacks its step on: the parameters, and the rest of the state alive at the start
+        (optimizer state, earlier gradients, the batch), counted once per storage."""
+        params, rest, seen = 0, 0, set()
+        param_keys = {storage_key(st) for p in self._model.parameters() for st in storages(p)}
+        for t in state:
+            for st in storages(t) if isinstance(t, torch.Tensor) and t.device == self.device else ():
+                key = storage_key(st)
+                if key in seen:
+                    continue
+                seen.add(key)
+                if key in param_keys:
+                    params += st.nbytes()
+                else:
+                    rest += st.nbytes()
+        return {"parameters": params, "optimizer state": rest}
+
+    def _adopt_state(self, log: AllocationLog, state: Sequence[torch.Tensor]) -> None:
+        """Each storage of the state, under its ledger line (parameters, gradients, the rest: optimizer state)."""
+        params = {storage_key(st) for p in self._model.parameters() for st in storages(p)}
+        grads = {storage_key(st) for p in self._model.parameters() if p.grad is not None for st in storages(p.grad)}
+        for t in state:
+            for st in storages(t) if isinstance(t, torch.Tensor) and t.device == self.device else ():
+                key = storage_key(st)
+                line = "parameters" if key in params else "gradients" if key in grads else "optimizer state"
+                log.adopt(key, st.nbytes(), line)
+        self._base = {}  # the state is in the log itself
+
+    def _timeline(self) -> Timeline:
+        """The step's memory over its events (:mod:`lightning_ckpt.measure.timeline`): the whole memory's log on
+        the CPU, the activation line's where the allocator counts the rest (CUDA)."""
+        line, total = self._logs
+        grads = {storage_key(st) for p in self._model.parameters() if p.grad is not None for st in storages(p.grad)}
+        return build_timeline(total if total.records else line, self._base, grads, boundaries=line.boundaries)
 
     def _attributions(self, phases: Dict[str, int]) -> Dict[str, PeakAttribution]:
         """What was alive at the activation peak, at the end of the forward and (CPU) at the whole memory's peak."""

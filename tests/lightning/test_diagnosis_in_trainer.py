@@ -304,3 +304,26 @@ def test_an_out_of_memory_error_names_the_last_reference_steps_tensors(tmp_path)
     text = str(err.value)
     assert "At the activation peak of the last reference step (step " in text and ", batch 8 x 8," in text
     assert "made by layers." in text  # the tensors, by module
+
+
+def test_the_reference_steps_memory_timeline_is_drawn_beside_the_report_and_in_tensorboard(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    seed_everything(0)
+    cb = ActivationCheckpointing(policy="every:2")
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=3, log_every_n_steps=1, logger=logger), callbacks=[cb])
+    trainer.fit(TinyTransformer())
+    png = tmp_path / "tb" / "version_0" / "memory_timeline.png"
+    assert png.is_file() and png.stat().st_size > 10_000
+    timeline = cb._engine.last_attribution["timeline"]
+    assert [phase for _, phase in timeline.boundaries] == ["backward", "optimizer"]  # the phases, in their order
+    assert timeline.peak_bytes == max(sum(layer[i] for layer in timeline.layers.values())
+                                      for i in range(len(timeline.x)))
+    assert len(timeline.peak_tensors) == 3
+    logger.experiment.flush()
+    acc = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
+    acc.Reload()
+    assert "lightning_ckpt/memory_timeline" in acc.Tags()["images"]
