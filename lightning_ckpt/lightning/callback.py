@@ -95,6 +95,10 @@ class ActivationCheckpointing(Callback):
         per_shape: plan each step from its batch's shape before it runs: ``budget:`` a plan per shape bucket
             (:mod:`lightning_ckpt.lightning.shaped`), ``auto_threshold`` the lowest rung a bucket needs
             (:mod:`lightning_ckpt.lightning.gate`). ``False``: one plan, changed after measured steps only.
+        snapshot_on_oom: on CUDA, record the allocator's history during ``fit`` and, when an allocation fails,
+            write ``oom_snapshot_rank{r}.pickle`` beside the logs (PyTorch's memory viewer opens it) before anything
+            is released; the out-of-memory diagnosis names it. ``True`` keeps the newest 100000 events, an int that
+            many. Recording costs host time per allocation: off by default (:mod:`lightning_ckpt.lightning.snapshot`).
 
     Attributes:
         plan: the :class:`~lightning_ckpt.core.wrap.CheckpointPlan` once applied (``None`` before ``fit``).
@@ -192,6 +196,7 @@ class ActivationCheckpointing(Callback):
         max_shape: Optional[Union[str, List[int]]] = None,
         shape_fn: Optional[Callable[[Any], Any]] = None,
         per_shape: bool = True,
+        snapshot_on_oom: Union[bool, int] = False,
     ) -> None:
         settings = Settings(policy=policy, blocks=blocks, preserve_rng_state=preserve_rng_state,
                             determinism_check=determinism_check, debug=debug, measure=measure,
@@ -200,7 +205,7 @@ class ActivationCheckpointing(Callback):
                             cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom,
                             stateful=stateful, verify=verify, report=report,
                             compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn,
-            per_shape=per_shape)
+            per_shape=per_shape, snapshot_on_oom=snapshot_on_oom)
         setattr(self, ENGINE_ATTR, CheckpointingEngine(settings, owner=type(self).__name__))
 
     # ------------------------------------------------------------------------------------------ what users read

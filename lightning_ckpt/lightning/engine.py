@@ -57,6 +57,7 @@ from lightning_ckpt.lightning.metrics import block_metrics, log_metrics, reduce_
 from lightning_ckpt.lightning.recovery import StepGuard
 from lightning_ckpt.lightning.settings import Settings
 from lightning_ckpt.lightning.shaped import ShapeSteps
+from lightning_ckpt.lightning.snapshot import DEFAULT_MAX_ENTRIES, OOMSnapshot
 from lightning_ckpt.measure.ledger import state_tensors
 from lightning_ckpt.measure.meter import device_capacity
 from lightning_ckpt.measure.monitor import StepMonitor, StepResult
@@ -107,6 +108,7 @@ class CheckpointingEngine:
         self.gate: Optional[ShapeGate] = None  # auto-toggle: the threshold per batch shape, before the step
         self._restore_dynamo: Optional[Any] = None  # puts dynamo's recompile limit back (room_for_plans)
         self.last_attribution: Optional[Dict[str, Any]] = None  # the last reference step's peaks, named
+        self.snapshot: Optional[OOMSnapshot] = None  # snapshot_on_oom: the allocator's record
         self._step_shape: Any = None
         self.phase = PhaseTracker()
         self.guard = StepGuard(self)
@@ -234,6 +236,8 @@ class CheckpointingEngine:
                 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
                 rank_zero_warn(WHOLE_MODEL_COMPILE_BUDGET.format(spec=self.policy.spec))
+        if s.snapshot_on_oom and self.snapshot is None:
+            self._start_snapshot(trainer)
         if self.controller is not None and self.calibration is None and s.per_shape:
             self.gate = ShapeGate(self, self.controller.threshold)
             self.gate.setup(trainer)
@@ -250,6 +254,18 @@ class CheckpointingEngine:
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
                     logger.experiment.add_custom_scalars(tensorboard_layout(s.prefix))
+
+    def _start_snapshot(self, trainer: "pl.Trainer") -> None:
+        """``snapshot_on_oom``: record the allocator's history from now on (CUDA; a warning elsewhere)."""
+        entries = DEFAULT_MAX_ENTRIES if self.settings.snapshot_on_oom is True else int(self.settings.snapshot_on_oom)
+        folder = trainer.log_dir or trainer.default_root_dir  # every rank: log_dir is a collective under DDP
+        self.snapshot = OOMSnapshot(folder, trainer.global_rank, entries)
+        if not self.snapshot.start():
+            self.snapshot = None
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn("lightning_ckpt: snapshot_on_oom=True does nothing here: there is no CUDA allocator to "
+                           "record (the CPU); drop it, or run on a GPU.")
 
     def _check_compiler_modes(self, pl_module: "pl.LightningModule") -> None:
         """``compiler:<f>`` blocks in a fixed plan: refused inside one whole-model graph (PyTorch takes one budget
@@ -603,6 +619,8 @@ class CheckpointingEngine:
         for per_shape in (self.shapes, self.gate):
             if per_shape is not None:
                 per_shape.close()
+        if self.snapshot is not None:  # recording stops with the run (its snapshot, if written, stays named)
+            self.snapshot.stop()
         if self._restore_dynamo is not None:  # dynamo's cache limit as the user had it
             self._restore_dynamo()
             self._restore_dynamo = None

@@ -253,6 +253,9 @@ class StepGuard:
         text = diagnose(engine.phase.phase, lines, engine.capacity, last.phase_peaks if last is not None else None)
         if engine.last_attribution is not None:  # which tensors: the last reference step's, labelled as such
             text += "\n" + _peak_lines(engine)
+        where = engine.snapshot.describe() if engine.snapshot is not None else None
+        if where:  # snapshot_on_oom: the allocator's own record, written at the failed allocation
+            text += "\n" + where
         plan = engine.plan
         if engine.settings.on_oom == "escalate" and self.world_size > 1:
             text += (f"\nNot retried: with {self.world_size} processes a retry on one rank would meet its peers "

@@ -54,6 +54,7 @@ class Settings:
     max_shape: Union[str, Sequence[int], None] = None
     shape_fn: Optional[Callable[[Any], Any]] = None
     per_shape: bool = True
+    snapshot_on_oom: Union[bool, int] = False
     start: Policy = field(init=False)
     budget: Optional[BudgetPolicy] = field(init=False)
     options: CheckpointOptions = field(init=False)
@@ -105,6 +106,10 @@ class Settings:
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.tokens_fn is not None and not callable(self.tokens_fn):
             raise TypeError(f"tokens_fn={self.tokens_fn!r} must be a function batch -> number of tokens, or None.")
+        n = self.snapshot_on_oom
+        if not isinstance(n, bool) and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"snapshot_on_oom={n!r} is not valid; pass True (keep the newest 100000 allocator "
+                             "events), a positive number of events to keep, or False.")
         if self.shape_fn is not None and not callable(self.shape_fn):
             raise TypeError(f"shape_fn={self.shape_fn!r} must be a function batch -> (micro-batch, length, ...) "
                             "integers, or None.")
