@@ -139,3 +139,43 @@ def test_a_step_not_attributed_costs_nothing_more():
     with meter.step(exact=True) as box:
         net(torch.randint(0, 10, (B, T))).backward()
     assert box.reading.attribution is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_per_module_bytes_equal_pytorchs_memtracker_on_hugging_face_models(arch):
+    """At the end of the forward, what each block made and still holds equals the ACT bytes PyTorch's MemTracker
+    sees that block's forward leave alive (an independent tracker: it shares no code with the attribution)."""
+    pytest.importorskip("transformers")
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+
+    from lightning_ckpt.demos.hf import tiny_gpt2, tiny_llama
+    from lightning_ckpt.forecast.load import make_batch, step_loss
+
+    torch.manual_seed(0)
+    shape = dict(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=96)
+    model = tiny_llama(**shape) if arch == "llama" else tiny_gpt2(dropout=0.0, **shape)
+    model.train()
+    plan = apply_policy(model, "none")
+    batch = make_batch(model, 2, 32)
+    tracker = MemTracker()
+    tracker.track_external(model, *batch.values())
+    with tracker:
+        loss = step_loss(model, batch)
+    cpu = torch.device("cpu")
+    theirs = []
+    for block in plan.blocks:
+        snaps = tracker.memory_tracking[block].snapshots
+        theirs.append(snaps[_ModState.POST_FW][-1][cpu][_MemRefType.ACT] - snaps[_ModState.PRE_FW][-1][cpu][
+            _MemRefType.ACT])
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    meter = StepMeter("cpu", model=model)
+    with meter.step(exact=True, attribute=plan.names) as box:
+        loss = step_loss(model, batch)
+        meter.phase("backward")
+        loss.backward()
+    ours = [sum(t.bytes for t in box.reading.attribution["forward end"].tensors
+                if t.module == name or t.module.startswith(name + ".")) for name in plan.names]
+    assert all(t > 0 for t in theirs)
+    for o, t in zip(ours, theirs):
+        assert o == pytest.approx(t, rel=0.01)
