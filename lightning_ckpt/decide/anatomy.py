@@ -199,8 +199,13 @@ def findings(attribution: Dict[str, PeakAttribution], samples: int, length: Opti
                    and _numel(t.shape) == samples * length * vocab]
         if upcasts:
             size = sum(t.bytes for t in upcasts)
-            out.append(Finding("logits_upcast", size, f"float32 copies of the (batch × sequence × vocabulary) "
-                               f"logits, {format_bytes(size)}, made by {upcasts[0].module or 'the loss'} "
+            # the logits they copy: the low-precision tensor of the same size, and the module that made it (the head)
+            source = next((t.module for a in (total, peak) if a is not None for t in a.tensors
+                           if t.dtype in ("bfloat16", "float16") and _numel(t.shape) == samples * length * vocab
+                           and t.module), None)
+            made = f"of {source}'s output" if source else "of the logits"
+            out.append(Finding("logits_upcast", size, f"float32 copies {made} (batch × sequence × vocabulary), "
+                               f"{format_bytes(size)}, made by {upcasts[0].module or 'the loss'} "
                                f"({upcasts[0].op})",
                                "Compute the loss in chunks or with a fused cross-entropy: the float32 copy of the "
                                "logits is not an activation checkpointing can remove.", upcasts))

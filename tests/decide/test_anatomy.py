@@ -81,6 +81,7 @@ def test_the_float32_logits_of_a_mixed_precision_loss_are_found_and_named_by_the
     data = _anatomy(Net("sdpa", vocab=4096), autocast=True, vocab=4096)
     (upcast,) = [f for f in data["findings"] if f["code"] == "logits_upcast"]
     assert upcast["bytes"] >= B * T * 4096 * 4 and "chunks" in upcast["advice"]
+    assert "float32 copies of head's output" in upcast["text"]  # the head's bf16 logits, upcast by the loss
     assert "logits_upcast" not in _codes(_anatomy(Net("sdpa", vocab=4096), vocab=4096))  # float32 run: no upcast
     assert "autocast_copies" in _codes(data)  # and the weights' bf16 copies, a line of their own
     (copies,) = [f for f in data["findings"] if f["code"] == "autocast_copies"]
