@@ -83,8 +83,8 @@ def test_kept_tensors_are_named_by_their_keeper_and_their_maker():
     assert ("layers.0", "layers.1.fc1", "aten.add") in kept  # block 1's input: block 0's output, kept by fc1
     plan.retarget("all")
     end = _attributed(net, plan, "all").attribution["forward end"]
-    boundary = [t for t in end.tensors if t.block == 2]
-    assert [(t.module, t.kept_by, t.role) for t in boundary] == [("layers.1", "layers.2", "kept")]
+    kept = [t for t in end.tensors if t.block == 2 and t.role == "kept"]  # (temporaries differ by torch release)
+    assert [(t.module, t.kept_by) for t in kept] == [("layers.1", "layers.2")]
 
 
 def test_replays_and_temporaries_are_told_apart_at_a_backward_peak():
