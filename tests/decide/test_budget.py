@@ -444,8 +444,8 @@ class FakeCapacity(LiveBytes):
         super().__init__(torch.device("cpu"))
         self.capacity, self.on_oom, self.ooms = capacity, on_oom, []
 
-    def _add(self, st, key, copy):
-        super()._add(st, key, copy)
+    def _add(self, st, key, copy, *made):
+        super()._add(st, key, copy, *made)
         if self.capacity is not None and self.live + self.copies_live > self.capacity:
             self.ooms.append(self.on_oom() if self.on_oom is not None else None)
             raise torch.OutOfMemoryError(f"CPU out of memory (a fake capacity of {self.capacity} bytes)")
