@@ -33,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from lightning_ckpt.core.policy import compiler_modes
 from lightning_ckpt.core.units import format_bytes
 from lightning_ckpt.decide.budget import BlockCost, BudgetPlan, mode_mix, plan_budget, predict_peak, smallest_budget
 from lightning_ckpt.decide.pricing import ShapeCosts
@@ -137,12 +138,13 @@ class ShapePlanner:
 
     def unit(self) -> float:
         """Device bytes per traced byte: the reference plan's measured peak over its trace at the reference shape
-        (1 on the CPU, where the trace is the meter's own count; traced on first use)."""
+        (1 on the CPU, where the trace is the meter's own count; traced on first use). Both eager: a trace runs
+        ``compiler:<f>`` blocks ``off``, so their savings are added back to the measured (compiled) peak."""
         if self._unit_from is not None:
             modes, measured = self._unit_from
             self._unit_from = None
-            fake = self._traced(self.reference, modes)
-            self._unit = measured / fake if fake else 1.0
+            fake = self._traced(self.reference, modes)  # eager: the measured peak before compiled savings
+            self._unit = (measured + self.compiled_savings(self.reference, modes)) / fake if fake else 1.0
         return self._unit
 
     def priced(self, bucket: Shape) -> ShapeCosts:
@@ -176,23 +178,26 @@ class ShapePlanner:
 
     def known(self, bucket: Shape) -> Dict[Tuple[str, ...], int]:
         """Peaks known for plans at the bucket's own shape, in device bytes: traced ones carried by the reference's
-        unit, measured ones as measured; both raised like every prediction of the bucket (a reading above the
+        unit (less the compiled blocks' savings: a trace runs them eagerly), measured ones as measured; both raised like every prediction of the bucket (a reading above the
         prediction at another shape of the bucket)."""
         raised = self._raise.get(bucket, 0)
         if bucket == self.reference and self._measured is not None:
             out = {}
         else:
-            unit = self.unit()
-            out = {modes: round(peak * unit) for modes, peak in self.priced(bucket).traced.items()}
+            unit = self.unit()  # a trace runs compiled blocks eagerly, as ``off``: their savings come off
+            out = {modes: round(peak * unit) - self.compiled_savings(bucket, modes)
+                   for modes, peak in self.priced(bucket).traced.items()}
         out.update(self._exact.get(bucket, {}))
         return {modes: peak + raised for modes, peak in out.items()}
 
-    def predict(self, bucket: Shape, modes: Sequence[str], shape: Optional[Shape] = None) -> int:
+    def predict(self, bucket: Shape, modes: Sequence[str], shape: Optional[Shape] = None,
+                measured: bool = True) -> int:
         """The activation peak predicted under ``modes`` for a batch of ``shape`` in ``bucket`` (default: the
         bucket's own shape, its upper corner), in bytes. Within a bucket the corner's prediction is scaled by the
-        fitted model's ratio between the two shapes (:meth:`model_peak`)."""
+        fitted model's ratio between the two shapes (:meth:`model_peak`). ``measured=False``: from the blocks'
+        costs alone, not from a peak this plan measured at the corner."""
         modes = tuple(modes)
-        corner = self.known(bucket).get(modes)
+        corner = self.known(bucket).get(modes) if measured else None
         if corner is None:
             costs, base, _ = self.costs(bucket)
             corner = predict_peak(costs, modes, base)
@@ -200,6 +205,18 @@ class ShapePlanner:
             return corner
         model = self.model_peak(bucket, modes, bucket)
         return round(corner * self.model_peak(bucket, modes, shape) / model) if model else corner
+
+    def compiled_savings(self, bucket: Shape, modes: Sequence[str], shape: Optional[Shape] = None) -> int:
+        """Bytes the ``compiler:<f>`` blocks of ``modes`` save at ``shape`` (in ``bucket``) against the same plan run
+        eagerly, where they are ``off``: what to take off an eager reference step's figure of that shape (0 without
+        them). The calibration's savings are its shape's; a longer batch's compiled blocks save more."""
+        compiled = compiler_modes(modes)
+        if not compiled:
+            return 0
+        eager = tuple("off" if m in compiled else m for m in modes)
+        # from the costs alone: a corner's measured peak is itself corrected by these savings
+        return max(self.predict(bucket, eager, shape, measured=False) - self.predict(bucket, modes, shape, measured=False),
+                   0)
 
     def model_peak(self, bucket: Shape, modes: Sequence[str], shape: Shape) -> int:
         """The peak model's prediction for ``shape`` (inside ``bucket``): every byte figure fitted per sample as

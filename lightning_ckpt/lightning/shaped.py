@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -343,6 +343,15 @@ class ShapeSteps(ShapeReader):
         self.planner.set_reference(self.calibration_shape, calibration.costs(), calibration.base,
                                    calibration.chosen, measured=dict(calibration.measured_plans),
                                    measured_peak=calibration.measured)
+
+    def compiled_savings(self, modes: Sequence[str]) -> Optional[int]:
+        """What the ``compiler:<f>`` blocks of ``modes`` save at the step's shape (its largest bucket's corner when
+        micro-batches of several shapes ran): ``None`` before the calibration is done, when its own apply."""
+        if not self.engine.calibration.done or not self._step_buckets or self.planner.reference is None:
+            return None
+        bucket = max(self._step_buckets, key=lambda b: b.tokens)
+        shape = next(iter(self._step_shapes)) if len(self._step_shapes) == 1 else None
+        return self.planner.compiled_savings(bucket, modes, shape)
 
     def after_step(self, activations: Optional[int], step_s: Optional[float], tokens_per_sec: Optional[float],
                    metrics: Dict[str, float], key) -> None:

@@ -123,3 +123,50 @@ def test_the_table_and_the_report_name_every_bucket():
     assert "4 x 256" in text and "10,240" in text and "recompute" in text
     data = planner.plans[LONG].as_dict()
     assert data["bucket"] == "4 x 256" and data["steps"] == 1 and isinstance(data["modes"], list)
+
+
+def test_the_compilers_savings_are_the_shapes_own_and_a_reading_does_not_move_them():
+    """A ``compiler:<f>`` block runs ``off`` on the eager reference step its figure comes from; what it saves compiled
+    is priced at the step's shape (a longer batch's compiled blocks save more than the calibration's did), from the
+    blocks' costs, not from a peak the plan read at the corner (itself corrected by these savings)."""
+    import dataclasses
+
+    costs, base = _measured(SHORT)
+    costs = [dataclasses.replace(c, compiler=(("compiler:0", c.boundary, 0.1),)) for c in costs]
+    planner = ShapePlanner(10**9, ("recompute", "compiler"), _fake)
+    planner.set_reference(SHORT, costs, base)
+    modes = ("off", "off", "compiler:0", "compiler:0")
+    assert planner.compiled_savings(SHORT, ("off",) * 4) == 0
+    short, long = planner.compiled_savings(SHORT, modes), planner.compiled_savings(LONG, modes)
+    assert short == predict_peak(costs, ("off",) * 4, base) - predict_peak(costs, modes, base) > 0
+    assert long == planner.predict(LONG, ("off",) * 4) - planner.predict(LONG, modes) > 2 * short
+    planner.plan(LONG)
+    planner.observe(LONG, modes, planner.predict(LONG, modes) + 50 * KiB)  # read above the model at the corner
+    assert planner.compiled_savings(LONG, modes) == long
+    inside = Shape(4, (200,))
+    assert short < planner.compiled_savings(LONG, modes, inside) < long
+
+
+def test_a_traced_plan_with_compiled_blocks_is_known_less_their_savings():
+    """A fake trace runs ``compiler:<f>`` blocks eagerly (``off``): its peak, carried into device bytes, is the
+    compiled plan's only once their savings come off; otherwise a plan that fits reads over the budget."""
+    import dataclasses
+
+    def eager(modes):
+        return tuple("off" if m.startswith("compiler:") else m for m in modes)
+
+    def trace(bucket, plans):
+        fake = _fake(bucket)
+        costs = [dataclasses.replace(c, compiler=(("compiler:0", c.boundary, 0.0),)) for c in fake.costs]
+        return [predict_peak(costs, eager(m), fake.base) for m in plans]
+
+    costs, base = _fake(SHORT).costs, _fake(SHORT).base
+    costs = [dataclasses.replace(c, recompute_s=1.0, selective_s=0.6, compiler=(("compiler:0", c.boundary, 0.0),))
+             for c in costs]
+    chosen = ShapePlanner(10**9, ("recompute", "compiler"), _fake).plan(SHORT)
+    planner = ShapePlanner(70 * KiB, ("recompute", "compiler"), lambda b: _fake(b), trace)
+    planner.set_reference(SHORT, costs, base, chosen, measured_peak=predict_peak(costs, chosen.modes, base))
+    plan = planner.plan(LONG)
+    assert "compiler:0" in plan.modes and plan.fits
+    traced = trace(LONG, [plan.modes])[0]
+    assert planner.known(LONG)[plan.modes] == traced - planner.compiled_savings(LONG, plan.modes) < traced

@@ -185,15 +185,25 @@ def test_the_auto_toggle_raises_a_long_batch_before_it_runs_and_short_ones_stay_
     assert after.controller.level == 1  # and the controller moved up after it
 
 
-def test_blocks_compiled_one_by_one_get_per_shape_plans_without_running_out_of_dynamos_cache(tmp_path):
+def test_blocks_compiled_one_by_one_get_per_shape_plans_without_running_out_of_dynamos_cache(tmp_path, monkeypatch):
     """A block compiled with block.compile() takes one graph per mode and per static/dynamic lengths: per-shape plans
     over lengths 32..256 stay compiled (no frame falls back to eager at dynamo's recompile limit), the limit the
-    user had comes back after the run, and the predictions hold."""
+    user had comes back after the run, and the predictions hold. The compiler's full-recompute budget is priced
+    cheapest, so the longer buckets take it: their eager reference steps (where those blocks run ``off``) are
+    corrected by what the compiled blocks save at *their* shape, not at the calibration's (a 128-token step read
+    +184 % against its prediction that way, whenever the measured times made the solver pick ``compiler:0``)."""
     import torch._dynamo
     import torch._dynamo.config as dynamo_config
     from _lightning_models import BlockCompiledGPT
     from torch._dynamo.utils import counters
 
+    from lightning_ckpt.decide import block_timing
+
+    real_seconds, real_kept = block_timing.time_block_modes, block_timing.saved_block_bytes
+    monkeypatch.setattr(block_timing, "time_block_modes", lambda *a, **k: {
+        m: (0.0 if m.startswith("compiler:") else max(s, 1e-3)) for m, s in real_seconds(*a, **k).items()})
+    monkeypatch.setattr(block_timing, "saved_block_bytes", lambda *a, **k: {
+        m: (0 if m == "compiler:0" else kept) for m, kept in real_kept(*a, **k).items()})
     torch._dynamo.reset()
     counters.clear()
     limit = dynamo_config.recompile_limit
@@ -204,10 +214,10 @@ def test_blocks_compiled_one_by_one_get_per_shape_plans_without_running_out_of_d
     assert counters["frames"]["total"] == counters["frames"]["ok"]  # every frame compiled: none hit the limit
     assert dynamo_config.recompile_limit == limit
     assert len({modes for _, modes, _ in rows[12:]}) >= 2
-    assert all(p.error is not None and abs(p.error) <= 0.02 for p in cb.shape_plans.values() if p.source == "fake")
+    assert "compiler:0" in cb.shape_plans[Shape(4, (128,))].modes
+    errors = {str(b): p.error for b, p in cb.shape_plans.items() if p.source == "fake"}
+    assert all(e is not None and abs(e) <= 0.02 for e in errors.values()), errors
     torch._dynamo.reset()
-
-
 
 
 def _t5_module():
