@@ -178,8 +178,8 @@ class ShapePlanner:
 
     def known(self, bucket: Shape) -> Dict[Tuple[str, ...], int]:
         """Peaks known for plans at the bucket's own shape, in device bytes: traced ones carried by the reference's
-        unit (less the compiled blocks' savings: a trace runs them eagerly), measured ones as measured; both raised like every prediction of the bucket (a reading above the
-        prediction at another shape of the bucket)."""
+        unit (less the compiled blocks' savings: a trace runs them eagerly), measured ones as measured; both raised
+        like every prediction of the bucket (a reading above the prediction at another shape of the bucket)."""
         raised = self._raise.get(bucket, 0)
         if bucket == self.reference and self._measured is not None:
             out = {}
@@ -215,8 +215,8 @@ class ShapePlanner:
             return 0
         eager = tuple("off" if m in compiled else m for m in modes)
         # from the costs alone: a corner's measured peak is itself corrected by these savings
-        return max(self.predict(bucket, eager, shape, measured=False) - self.predict(bucket, modes, shape, measured=False),
-                   0)
+        saved = self.predict(bucket, eager, shape, measured=False) - self.predict(bucket, modes, shape, measured=False)
+        return max(saved, 0)
 
     def model_peak(self, bucket: Shape, modes: Sequence[str], shape: Shape) -> int:
         """The peak model's prediction for ``shape`` (inside ``bucket``): every byte figure fitted per sample as

@@ -459,8 +459,9 @@ class CheckpointingEngine:
 
     def _as_compiled(self, result: StepResult) -> StepResult:
         """The step's figures with the ``compiler:<f>`` blocks' measured savings (at the step's shape, under per-shape
-        plans) taken off the activation line. Its figure is counted eagerly (the plan's reference step, or that figure reused: the compiled step's saved
-        tensors would miss the recompute inside those blocks' backward), where those blocks run ``off``."""
+        plans) taken off the activation line. Its figure is counted eagerly (the plan's reference step, or that figure
+        reused: the compiled step's saved tensors would miss the recompute inside those blocks' backward), where those
+        blocks run ``off``."""
         savings = self.shapes.compiled_savings(self.plan.modes) if self.shapes is not None else None
         if savings is None:  # the calibration's shape: its own savings
             savings = self.calibration.compiled_savings(self.plan.modes) if self.calibration is not None else 0
