@@ -104,6 +104,13 @@ def main() -> None:
                for policy in args.policies.split(";")}
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         torch.save(results, args.out)
+    # Lightning leaves the gloo group alive; a rank exiting while its peer still holds the connection can abort in
+    # gloo's threads ("terminate called without an active exception": once in a clean-clone run, 2026-12-04)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
