@@ -197,6 +197,7 @@ def test_blocks_compiled_one_by_one_get_per_shape_plans_without_running_out_of_d
     from _lightning_models import BlockCompiledGPT
     from torch._dynamo.utils import counters
 
+    from lightning_ckpt.core.policy import compiler_budget_unavailable
     from lightning_ckpt.decide import block_timing
 
     real_seconds, real_kept = block_timing.time_block_modes, block_timing.saved_block_bytes
@@ -214,7 +215,8 @@ def test_blocks_compiled_one_by_one_get_per_shape_plans_without_running_out_of_d
     assert counters["frames"]["total"] == counters["frames"]["ok"]  # every frame compiled: none hit the limit
     assert dynamo_config.recompile_limit == limit
     assert len({modes for _, modes, _ in rows[12:]}) >= 2
-    assert "compiler:0" in cb.shape_plans[Shape(4, (128,))].modes
+    if compiler_budget_unavailable() is None:  # torch 2.11 has no compiler budgets: recompute stands in for them
+        assert "compiler:0" in cb.shape_plans[Shape(4, (128,))].modes
     errors = {str(b): p.error for b, p in cb.shape_plans.items() if p.source == "fake"}
     assert all(e is not None and abs(e) <= 0.02 for e in errors.values()), errors
     torch._dynamo.reset()
