@@ -859,6 +859,91 @@ def part_fsdp2(ctx: Context) -> None:
               activations_gib=metrics.get("memory/activations_gib"), grad_max_abs_diff=diff, grad_scale=scale)
 
 
+class _StepTimes:
+    """A Lightning callback (built lazily) timing each optimizer step, synchronized on CUDA."""
+
+    @staticmethod
+    def make(ctx: Context):
+        from lightning.pytorch import Callback
+
+        class StepTimes(Callback):
+            def __init__(self) -> None:
+                self.stamps: List[float] = []
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                _sync(ctx)
+                self.stamps.append(time.perf_counter())
+
+            def steps(self, warmup: int) -> List[float]:
+                return [b - a for a, b in zip(self.stamps[warmup:], self.stamps[warmup + 1:])]
+
+        return StepTimes()
+
+
+@part("rest", 180)
+def part_snapshot(ctx: Context) -> None:
+    """``snapshot_on_oom=True``'s cost: the allocator recording its history (bounded) on every step, against the same
+    run without it, in interleaved rounds; and that the recording is really on (the history has events)."""
+    import statistics
+
+    from lightning_ckpt import ActivationCheckpointing
+
+    steps, warmup, rounds = (6, 1, 1) if ctx.smoke else (14, 3, 3)
+    times: Dict[bool, List[float]] = {False: [], True: []}
+    traced = 0
+    for _ in range(rounds):
+        for on in (False, True):
+            module, timer = _module(ctx), _StepTimes.make(ctx)
+            cb = ActivationCheckpointing(policy="none", snapshot_on_oom=on)
+            with tempfile.TemporaryDirectory() as root, warnings_silenced():
+                trainer = _trainer(ctx, root, [cb, timer], max_steps=steps)
+                if on and ctx.cuda:  # the history the run recorded, read before the callback stops recording
+                    trainer.callbacks.append(_HistoryProbe.make(steps))
+                trainer.fit(module, train_dataloaders=_loader(module, 8, 512, steps, ctx.smoke))
+            if on and ctx.cuda:
+                traced = max(traced, _HistoryProbe.last)
+            times[on].extend(timer.steps(warmup))
+            del trainer, module, cb
+            gc.collect()
+    off_s, on_s = statistics.median(times[False]), statistics.median(times[True])
+    ratio = on_s / off_s
+    ok = len(times[True]) == len(times[False]) == rounds * (steps - warmup - 1) and (traced > 0 or not ctx.cuda)
+    ctx.check("snapshot_on_oom recording cost (median step time, on / off)", ok, ratio=ratio,
+              off_ms=off_s * 1e3, on_ms=on_s * 1e3, steps_each=len(times[True]), history_events=traced)
+
+
+class _HistoryProbe:
+    """A Lightning callback (built lazily) reading how many events the allocator's history holds after the last of
+    ``steps`` steps (after the last timestamp: reading the history is not part of any timed step)."""
+
+    last = 0
+
+    @staticmethod
+    def make(steps: int):
+        from lightning.pytorch import Callback
+
+        class HistoryProbe(Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                import torch
+
+                if batch_idx != steps - 1:
+                    return
+                traces = torch.cuda.memory._snapshot().get("device_traces") or [[]]
+                _HistoryProbe.last = sum(len(t) for t in traces)
+
+        return HistoryProbe()
+
+
+@contextlib.contextmanager
+def warnings_silenced():
+    """``snapshot_on_oom`` warns on a CPU smoke run that it does nothing there: expected."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 @part("rest", 240)
 def part_compile(ctx: Context) -> None:
     """``compile_blocks=True`` with inductor: it trains, its first-step gradients match eager's to float rounding,

@@ -43,8 +43,8 @@ def test_every_part_runs_on_the_cpu_and_writes_the_log_and_the_summary(tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     parts = {row["part"]: row for row in summary["parts"]}
-    assert set(parts) >= {"tests", "rng", "offload", "attention", "ledger", "oom", "budget", "fsdp2", "compile",
-                          "seed", "overhead"}
+    assert set(parts) >= {"tests", "rng", "offload", "attention", "ledger", "oom", "budget", "fsdp2", "snapshot",
+                          "compile", "seed", "overhead"}
     for name, row in parts.items():
         assert row["verdict"] == "PASS" and row["checks"] >= 1, (name, row)
     log = (tmp_path / "gpu_check.log").read_text()
