@@ -895,13 +895,12 @@ def part_snapshot(ctx: Context) -> None:
         for on in (False, True):
             module, timer = _module(ctx), _StepTimes.make(ctx)
             cb = ActivationCheckpointing(policy="none", snapshot_on_oom=on)
+            # the history the run recorded, read after its last step, before the callback stops recording
+            probe = _HistoryProbe.make(steps) if on and ctx.cuda else None
             with tempfile.TemporaryDirectory() as root, warnings_silenced():
-                trainer = _trainer(ctx, root, [cb, timer], max_steps=steps)
-                if on and ctx.cuda:  # the history the run recorded, read before the callback stops recording
-                    trainer.callbacks.append(_HistoryProbe.make(steps))
+                trainer = _trainer(ctx, root, [cb, timer, *[probe] * (probe is not None)], max_steps=steps)
                 trainer.fit(module, train_dataloaders=_loader(module, 8, 512, steps, ctx.smoke))
-            if on and ctx.cuda:
-                traced = max(traced, _HistoryProbe.last)
+            traced = max(traced, probe.events if probe is not None else 0)
             times[on].extend(timer.steps(warmup))
             del trainer, module, cb
             gc.collect()
@@ -916,20 +915,20 @@ class _HistoryProbe:
     """A Lightning callback (built lazily) reading how many events the allocator's history holds after the last of
     ``steps`` steps (after the last timestamp: reading the history is not part of any timed step)."""
 
-    last = 0
-
     @staticmethod
     def make(steps: int):
         from lightning.pytorch import Callback
 
         class HistoryProbe(Callback):
+            events = 0
+
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 import torch
 
                 if batch_idx != steps - 1:
                     return
                 traces = torch.cuda.memory._snapshot().get("device_traces") or [[]]
-                _HistoryProbe.last = sum(len(t) for t in traces)
+                self.events = sum(len(t) for t in traces)
 
         return HistoryProbe()
 

@@ -31,24 +31,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
 from torch import nn
 
 from lightning_ckpt.core.units import format_bytes
 from lightning_ckpt.measure.attribution import PeakAttribution, PeakTensor
 
-__all__ = ["FINDINGS", "Finding", "anatomy", "anatomy_text", "block_units", "hidden_width", "vocab_size"]
+__all__ = ["FINDINGS", "Finding", "anatomy", "anatomy_text", "block_units", "config_int", "hidden_width",
+           "model_anatomy", "tensor_rows", "vocab_size"]
 
 FINDINGS = ("attention_scores", "logits_upcast", "wide_mlp", "outside_blocks", "workspace", "autocast_copies")
 """The stable finding codes (documented in the module docstring and on the Diagnosis page)."""
 
-_HIDDEN_NAMES = ("hidden_size", "n_embd", "d_model", "dim", "hidden_dim", "embed_dim")
 _VOCAB_NAMES = ("vocab_size", "n_vocab", "padded_vocab_size")
+_HIDDEN_NAMES = ("hidden_size", "n_embd", "d_model", "dim", "hidden_dim", "embed_dim")
 _WORKSPACE_SHARE = 0.10  # a temporary of at least this share of the activation peak is a workspace finding
 _OUTSIDE_SHARE = 0.25
 _WIDE_SHARE = 0.5
 
 
-def _config_int(model: nn.Module, names: Sequence[str]) -> Optional[int]:
+def config_int(model: nn.Module, names: Sequence[str]) -> Optional[int]:
+    """The first positive integer named by one of ``names`` on a module of ``model`` (in ``modules()`` order, the
+    model itself first) or on its ``config`` (Hugging Face); ``None`` when none says."""
     for module in model.modules():
         for holder in (getattr(module, "config", None), module):
             for name in names:
@@ -58,23 +62,24 @@ def _config_int(model: nn.Module, names: Sequence[str]) -> Optional[int]:
     return None
 
 
-def hidden_width(model: nn.Module) -> Optional[int]:
-    """The model's hidden width: its config's (``hidden_size``, ``n_embd``, ``d_model``, ...), else its first
-    embedding's dimension; ``None`` when neither says."""
-    width = _config_int(model, _HIDDEN_NAMES)
-    if width is None:
-        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-        width = embedding.embedding_dim if embedding is not None else None
-    return width
-
-
 def vocab_size(model: nn.Module) -> Optional[int]:
-    """The vocabulary size: the config's, else the first embedding's number of rows."""
-    size = _config_int(model, _VOCAB_NAMES)
+    """The vocabulary size: a config's or module's (``vocab_size``, ``n_vocab``, ``padded_vocab_size``), else the
+    first embedding's number of rows."""
+    size = config_int(model, _VOCAB_NAMES)
     if size is None:
         embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
         size = embedding.num_embeddings if embedding is not None else None
     return size
+
+
+def hidden_width(model: nn.Module) -> Optional[int]:
+    """The model's hidden width: its config's (``hidden_size``, ``n_embd``, ``d_model``, ...), else its first
+    embedding's dimension; ``None`` when neither says."""
+    width = config_int(model, _HIDDEN_NAMES)
+    if width is None:
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        width = embedding.embedding_dim if embedding is not None else None
+    return width
 
 
 @dataclass(frozen=True)
@@ -256,6 +261,31 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def model_anatomy(attribution: Dict[str, PeakAttribution], model: nn.Module, samples: int, length: Optional[int],
+                  blocks: Sequence[str], modes: Sequence[str], autocast_dtype: Optional[torch.dtype] = None,
+                  param_dtype: Optional[torch.dtype] = None, vocab: Optional[int] = None) -> Dict[str, Any]:
+    """:func:`anatomy` with what it needs read from the model and its plan: the hidden width, the vocabulary, and
+    the activation element size (the autocast dtype's under mixed precision, else ``param_dtype`` or the model's
+    floating parameters')."""
+    if param_dtype is None:
+        param = next((p for p in model.parameters() if p.is_floating_point()), None)
+        param_dtype = param.dtype if param is not None else torch.float32
+    element = (autocast_dtype or param_dtype).itemsize
+    return anatomy(attribution, samples, length, hidden_width(model), element, vocab=vocab or vocab_size(model),
+                   mixed=autocast_dtype is not None, blocks=blocks, checkpointed=[m != "off" for m in modes])
+
+
+def tensor_rows(tensors: Sequence[Dict[str, Any]], indent: str = "") -> List[str]:
+    """A table of tensors (the ``tensors`` of a ``peak`` moment): a header, then bytes, role, shape, dtype, the
+    module and op that made each and the module that keeps it."""
+    rows = [f"{indent}{'bytes':>10}  {'role':<9} {'shape':<18} {'dtype':<9} made by (op) / kept by"]
+    for t in tensors:
+        made = f"{t['module'] or '(no module)'} ({t['op']})" + (f" / {t['kept_by']}" if t["kept_by"] else "")
+        rows.append(f"{indent}{format_bytes(t['bytes']):>10}  {t['role']:<9} {str(tuple(t['shape'])):<18} "
+                    f"{t['dtype']:<9} {made}")
+    return rows
+
+
 def anatomy_text(data: Dict[str, Any], top: int = 8) -> str:
     """The ``peak`` section of the report as text: the largest tensors at the activation peak, each block in
     hidden-width tensors (identical blocks on one line), the seed's arithmetic and the findings."""
@@ -266,11 +296,7 @@ def anatomy_text(data: Dict[str, Any], top: int = 8) -> str:
         rows.append(f"  what is alive at the activation peak ({where}batch {data.get('shape', '?')}, "
                     f"{peak['phase']} phase): {format_bytes(peak['bytes'])}, of which "
                     + ", ".join(f"{role} {format_bytes(v)}" for role, v in peak["by_role"].items() if v))
-        rows.append(f"    {'bytes':>10}  {'role':<9} {'shape':<18} {'dtype':<9} made by (op) / kept by")
-        for t in peak["tensors"][:top]:
-            made = f"{t['module'] or '(no module)'} ({t['op']})" + (f" / {t['kept_by']}" if t["kept_by"] else "")
-            rows.append(f"    {format_bytes(t['bytes']):>10}  {t['role']:<9} {str(tuple(t['shape'])):<18} "
-                        f"{t['dtype']:<9} {made}")
+        rows.extend(tensor_rows(peak["tensors"][:top], indent="    "))
     blocks = data.get("per_block")
     if blocks:
         rows.append(f"  kept for backward at the end of the forward, in hidden-width tensors (micro-batch "

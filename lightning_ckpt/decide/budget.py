@@ -40,12 +40,18 @@ from lightning_ckpt.core.policy import COMPILER_MODE, compiler_fraction, compile
 from lightning_ckpt.core.units import format_bytes
 
 __all__ = ["COMPILER_FRACTIONS", "SOLVER_MODES", "BlockCost", "BudgetCalibration", "BudgetPlan", "ModeCost",
-           "mode_mix", "plan_budget", "predict_peak", "smallest_budget"]
+           "mode_mix", "plan_budget", "predict_peak", "run_eagerly", "smallest_budget"]
 
 SOLVER_MODES = ("off", "selective", "recompute", "offload", COMPILER_MODE)
 COMPILER_FRACTIONS = (0.0, 0.25, 0.5, 0.75)
 """The compiler budgets offered per block when the blocks are compiled one by one: with ``off``, ``recompute`` and
 ``selective`` that is 7 graphs per block class, under dynamo's default ``recompile_limit`` of 8."""
+
+
+def run_eagerly(modes: Sequence[str]) -> Tuple[str, ...]:
+    """The plan as an eager count sees it (a reference step, a fake trace): ``compiler:<f>`` blocks run ``off``."""
+    compiled = set(compiler_modes(modes))
+    return tuple("off" if m in compiled else m for m in modes)
 
 
 def mode_mix(modes: Sequence[str]) -> str:
@@ -635,12 +641,10 @@ class BudgetCalibration:
     def compiled_savings(self, modes: Sequence[str]) -> int:
         """Bytes a plan's ``compiler:<f>`` blocks save compiled against the same plan run eagerly (where they are
         ``off``), under the peak model: what to subtract from an eager reference step's figure (0 without them)."""
-        compiled = compiler_modes(modes)
-        if not compiled:
+        if not compiler_modes(modes):
             return 0
         costs = self.costs()
-        eager = ["off" if m in compiled else m for m in modes]
-        return max(predict_peak(costs, eager, self._base) - predict_peak(costs, modes, self._base), 0)
+        return max(predict_peak(costs, run_eagerly(modes), self._base) - predict_peak(costs, modes, self._base), 0)
 
     def _fit_base(self, plans: Sequence[Sequence[str]], peaks: Sequence[int]) -> Tuple[int, int]:
         """What the blocks do not explain, from the calibration steps: each step's peak is

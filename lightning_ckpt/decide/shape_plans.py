@@ -35,7 +35,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from lightning_ckpt.core.policy import compiler_modes
 from lightning_ckpt.core.units import format_bytes
-from lightning_ckpt.decide.budget import BlockCost, BudgetPlan, mode_mix, plan_budget, predict_peak, smallest_budget
+from lightning_ckpt.decide.budget import (
+    BlockCost,
+    BudgetPlan,
+    mode_mix,
+    plan_budget,
+    predict_peak,
+    run_eagerly,
+    smallest_budget,
+)
 from lightning_ckpt.decide.pricing import ShapeCosts
 from lightning_ckpt.decide.shapes import Shape, bucket_of
 
@@ -210,12 +218,11 @@ class ShapePlanner:
         """Bytes the ``compiler:<f>`` blocks of ``modes`` save at ``shape`` (in ``bucket``) against the same plan run
         eagerly, where they are ``off``: what to take off an eager reference step's figure of that shape (0 without
         them). The calibration's savings are its shape's; a longer batch's compiled blocks save more."""
-        compiled = compiler_modes(modes)
-        if not compiled:
+        if not compiler_modes(modes):
             return 0
-        eager = tuple("off" if m in compiled else m for m in modes)
         # from the costs alone: a corner's measured peak is itself corrected by these savings
-        saved = self.predict(bucket, eager, shape, measured=False) - self.predict(bucket, modes, shape, measured=False)
+        saved = (self.predict(bucket, run_eagerly(modes), shape, measured=False)
+                 - self.predict(bucket, modes, shape, measured=False))
         return max(saved, 0)
 
     def model_peak(self, bucket: Shape, modes: Sequence[str], shape: Shape) -> int:

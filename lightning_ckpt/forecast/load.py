@@ -38,6 +38,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from lightning_ckpt.decide.anatomy import vocab_size as model_vocab_size
+
 __all__ = [
     "TORCH_OPTIMIZERS",
     "build_model",
@@ -48,7 +50,6 @@ __all__ = [
     "make_optimizers",
     "optimizers_from",
     "step_loss",
-    "vocab_size_of",
 ]
 
 TORCH_OPTIMIZERS = ("adamw", "adam", "sgd", "momentum", "adafactor")
@@ -213,27 +214,12 @@ def _is_lightning(model: nn.Module) -> bool:
 # ------------------------------------------------------------------------------------------ batches and loss
 
 
-def vocab_size_of(model: nn.Module) -> Optional[int]:
-    """``model.vocab_size``, ``model.config.vocab_size`` (also one level down) or the first embedding's rows."""
-    for owner in (model, getattr(model, "model", None)):
-        if owner is None:
-            continue
-        for obj in (owner, getattr(owner, "config", None)):
-            value = getattr(obj, "vocab_size", None) if obj is not None else None
-            if isinstance(value, int) and value > 0:
-                return value
-    for m in model.modules():
-        if isinstance(m, nn.Embedding):
-            return m.num_embeddings
-    return None
-
-
 def make_batch(model: nn.Module, micro_batch: int, seq_len: int, vocab_size: Optional[int] = None) -> Any:
     """The module's ``example_batch(micro_batch, seq_len)`` or a synthetic ``{"input_ids", "labels"}`` batch."""
     hook = getattr(model, "example_batch", None)
     if callable(hook):
         return hook(micro_batch, seq_len)
-    vocab = vocab_size or vocab_size_of(model)
+    vocab = vocab_size or model_vocab_size(model)
     if vocab is None:
         raise ValueError(f"cannot make a token batch for {type(model).__name__}: it has no example_batch(micro_batch, "
                          "seq_len) hook, no config.vocab_size and no nn.Embedding; add the hook or pass --vocab-size.")

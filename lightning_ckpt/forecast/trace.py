@@ -53,10 +53,15 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.core.policy import parse_policy
 from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing
-from lightning_ckpt.decide.anatomy import anatomy, hidden_width
-from lightning_ckpt.decide.anatomy import vocab_size as vocab_of
+from lightning_ckpt.decide.anatomy import model_anatomy
 from lightning_ckpt.decide.pricing import hf_masks_as_on_real_tensors
-from lightning_ckpt.forecast.load import TORCH_OPTIMIZERS, build_model, lightning_step, make_batch, make_optimizers
+from lightning_ckpt.forecast.load import (
+    TORCH_OPTIMIZERS,
+    build_model,
+    lightning_step,
+    make_batch,
+    make_optimizers,
+)
 from lightning_ckpt.forecast.numbers import DTYPE_BYTES, LedgerForecast, crossing_line, phase_crossing
 from lightning_ckpt.forecast.precision import Precision, parse_precision
 from lightning_ckpt.measure.ledger import model_state_bytes, state_tensors
@@ -287,10 +292,8 @@ def forecast_model(
             interiors[policy] = meter.largest_replay_interior
             phases[policy] = dict(box.reading.phase_peaks or {})
             if box.reading.attribution:
-                element = torch.empty((), dtype=mode.autocast_dtype or dtype or torch.float32).element_size()
-                peaks[policy] = anatomy(box.reading.attribution, micro_batch, seq_len, hidden_width(model), element,
-                                        vocab=vocab_size or vocab_of(model), mixed=mode.autocast_dtype is not None,
-                                        blocks=plan.names, checkpointed=[m != "off" for m in plan.modes])
+                peaks[policy] = model_anatomy(box.reading.attribution, model, micro_batch, seq_len, plan.names,
+                                              plan.modes, mode.autocast_dtype, dtype, vocab_size)
     finally:
         hook.remove()
         remove_checkpointing(model)

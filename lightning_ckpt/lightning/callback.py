@@ -205,7 +205,7 @@ class ActivationCheckpointing(Callback):
                             cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom,
                             stateful=stateful, verify=verify, report=report,
                             compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn,
-            per_shape=per_shape, snapshot_on_oom=snapshot_on_oom)
+                            per_shape=per_shape, snapshot_on_oom=snapshot_on_oom)
         setattr(self, ENGINE_ATTR, CheckpointingEngine(settings, owner=type(self).__name__))
 
     # ------------------------------------------------------------------------------------------ what users read

@@ -34,7 +34,7 @@ from lightning_ckpt.core.policy import (
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.units import GiB, format_bytes
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
-from lightning_ckpt.decide.anatomy import anatomy, anatomy_text, hidden_width, vocab_size
+from lightning_ckpt.decide.anatomy import anatomy_text, model_anatomy
 from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration, mode_mix
 from lightning_ckpt.decide.controller import Controller, resolve_threshold
 from lightning_ckpt.decide.diagnosis import PhaseTracker
@@ -43,6 +43,7 @@ from lightning_ckpt.decide.report import ledger_report, length_reading, report_t
 from lightning_ckpt.decide.safety import preflight
 from lightning_ckpt.decide.shapes import bucket_of, shape_of
 from lightning_ckpt.decide.verify import verify_equivalence
+from lightning_ckpt.forecast.precision import parse_precision
 from lightning_ckpt.lightning import conflicts, shims
 from lightning_ckpt.lightning.compiled import (
     blocks_in_one_compiled_graph,
@@ -330,7 +331,6 @@ class CheckpointingEngine:
             return
         if not self.monitor.in_step:
             self._batch_shape = (sequence_length(batch), count_samples(batch))
-            self._step_shape = shape_of(batch, self.settings.shape_fn)
             calibrating = self.calibration is not None and not self.calibration.done
             if self.shapes is not None:  # the bucket's plan; the calibration's stage on its own bucket
                 self.shapes.before_micro_batch(trainer, batch, first=True)
@@ -341,8 +341,9 @@ class CheckpointingEngine:
             self._logging, self._deciding = self._step_kind(trainer)
             # block hooks measure the calibration steps: compiled code runs eagerly for them
             measured = self._logging or self._deciding or calibrating
+            self._step_shape = shape_of(batch, self.settings.shape_fn) if measured else None
             self.monitor.begin_step(measure=measured, key=self._step_key(trainer, batch) if measured else None,
-                                    size=shape_of(batch, self.settings.shape_fn).tokens if measured else None,
+                                    size=self._step_shape.tokens if measured else None,
                                     attribute=self.plan.names if self.plan is not None else (),
                                     eager=calibrating, tokens=self._logging,
                                     state=_step_tensors(pl_module, trainer.optimizers, batch),
@@ -357,14 +358,15 @@ class CheckpointingEngine:
         self.monitor.add_batch(batch)
 
     def _step_key(self, trainer: "pl.Trainer", batch: Any) -> tuple:
-        """What determines a step's memory: the plan, the batch's shape bucket and dtypes (not its exact shape:
-        with dynamic padding every length would be a new key, each first step of a key an exact, slow one), the
-        precision, the accumulation, and whether the optimizer state exists yet (the first step creates it: its
-        phase peaks are not the steady state's, so the second step is the steady state's reference)."""
+        """What determines a step's memory: the plan, the batch's shape bucket (of ``_step_shape``, read once) and
+        dtypes (not its exact shape: with dynamic padding every length would be a new key, each first step of a key
+        an exact, slow one), the precision, the accumulation, and whether the optimizer state exists yet (the first
+        step creates it: its phase peaks are not the steady state's, so the second step is the steady state's
+        reference)."""
         plan = self.plan
         layout = (plan.modes, plan.layout.groups, plan.layout.save_ops) if plan is not None else None
         dtypes = tuple(t.dtype for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
-        bucket = bucket_of(shape_of(batch, self.settings.shape_fn))
+        bucket = bucket_of(self._step_shape)
         steady = all(bool(getattr(opt, "state", None)) for opt in trainer.optimizers)
         return layout, bucket, dtypes, str(trainer.precision), trainer.accumulate_grad_batches, steady
 
@@ -598,15 +600,12 @@ class CheckpointingEngine:
         (:mod:`lightning_ckpt.decide.anatomy`): its tensors, the blocks in hidden-width tensors, the findings."""
         last, module = self.last_attribution, self.module
         shape = last["shape"]
-        precision = str(trainer.precision) if trainer is not None else ""
-        mixed = "mixed" in precision
-        param = next((p for p in module.parameters() if p.is_floating_point()), None) if module is not None else None
-        element = 2 if mixed else (param.element_size() if param is not None else 4)
-        data = anatomy(last["attribution"], shape.samples, shape.lengths[0] if shape.lengths else None,
-                       hidden_width(module) if module is not None else None, element,
-                       vocab=vocab_size(module) if module is not None else None, mixed=mixed,
-                       blocks=self.plan.names if self.plan is not None else (),
-                       checkpointed=[m != "off" for m in last["modes"]])
+        try:  # the autocast dtype of Lightning's mixed precisions
+            autocast = parse_precision(str(trainer.precision)).autocast_dtype if trainer is not None else None
+        except ValueError:  # a plugin the forecast does not know (transformer-engine): the parameters' dtype
+            autocast = None
+        data = model_anatomy(last["attribution"], module, shape.samples, shape.lengths[0] if shape.lengths else None,
+                             self.plan.names, last["modes"], autocast)
         data.update(step=last["step"], shape=str(shape), modes=list(last["modes"]))
         return data
 

@@ -311,17 +311,15 @@ class StepGuard:
 def _peak_lines(engine: Any, top: int = 5) -> str:
     """The largest tensors at the last reference step's activation peak, and its findings' codes."""
     from lightning_ckpt.core.units import format_bytes
+    from lightning_ckpt.decide.anatomy import tensor_rows
 
     data = engine.peak_anatomy(engine.module.trainer if engine.module is not None else None)
     peak = data.get("activation_peak")
     if not peak:
         return ""
     rows = [f"At the activation peak of the last reference step (step {data['step']}, batch {data['shape']}, "
-            f"{peak['phase']} phase), {format_bytes(peak['bytes'])}; the largest tensors:"]
-    for t in peak["tensors"][:top]:
-        kept = f", kept by {t['kept_by']}" if t["kept_by"] else ""
-        rows.append(f"  {format_bytes(t['bytes']):>10}  {t['role']:<9} {tuple(t['shape'])} {t['dtype']} made by "
-                    f"{t['module'] or '(no module)'} ({t['op']}){kept}")
+            f"{peak['phase']} phase), {format_bytes(peak['bytes'])}; the largest tensors:",
+            *tensor_rows(peak["tensors"][:top], indent="  ")]
     codes = [f["code"] for f in data.get("findings", [])]
     if codes:
         rows.append(f"Findings: {', '.join(codes)} (the report and docs/diagnosis.md say what each means).")

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence,
 import torch
 
 from lightning_ckpt.core.units import GiB, format_bytes
+from lightning_ckpt.decide.anatomy import config_int
 from lightning_ckpt.decide.budget import BlockCost
 from lightning_ckpt.decide.pricing import PricingError, ShapeCosts, price_shape, trace_plans
 from lightning_ckpt.decide.shape_plans import BucketPlan, ShapePlanner
@@ -59,16 +60,13 @@ _MAX_POSITION_NAMES = ("max_position_embeddings", "n_positions", "block_size", "
                        "seq_length", "n_ctx")
 
 
+_UNREAD = object()
+
+
 def model_max_length(model: torch.nn.Module) -> Optional[int]:
     """The longest sequence the model takes, read from its (or a submodule's) config or attributes; ``None`` when
     it says nothing."""
-    for module in model.modules():
-        for holder in (getattr(module, "config", None), module):
-            for name in _MAX_POSITION_NAMES:
-                value = getattr(holder, name, None) if holder is not None else None
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    return value
-    return None
+    return config_int(model, _MAX_POSITION_NAMES)
 
 
 @contextlib.contextmanager
@@ -181,6 +179,7 @@ class ShapeSteps(ShapeReader):
         self._step_buckets: set = set()
         self._step_shapes: set = set()
         self._checked = False
+        self._max_length: Any = _UNREAD
         self._fallback: Optional[str] = None  # why pricing on fake tensors failed
         self.errors: Dict[Shape, float] = {}
         self.cache: List[float] = []  # memory/cache_gib of the measured steps, in bytes
@@ -265,9 +264,16 @@ class ShapeSteps(ShapeReader):
     def _cap(self, shape: Shape) -> Optional[Shape]:
         cap = self.engine.settings.shape_cap
         if cap is None:
-            length = model_max_length(self.engine.module) if self.engine.module is not None else None
+            length = self._model_max_length()
             cap = Shape(bucket_of(Shape(shape.samples)).samples, (length,) * len(shape.lengths)) if length else None
         return cap if cap is not None and len(cap.lengths) == len(shape.lengths) else None
+
+    def _model_max_length(self) -> Optional[int]:
+        """The model's maximum positions, read from its modules once (every step asks)."""
+        if self._max_length is _UNREAD:
+            module = self.engine.module
+            self._max_length = model_max_length(module) if module is not None else None
+        return self._max_length
 
     def _check_longest(self, trainer: "pl.Trainer", shape: Shape, bucket: Shape) -> None:
         """Before the first step: a budget no plan meets at the longest shape fails now (module docstring)."""

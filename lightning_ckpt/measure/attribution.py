@@ -1,12 +1,12 @@
 """What is alive at a step's peak, tensor by tensor, in the model's own vocabulary. Pure torch (no Lightning).
 
 The meter's exact steps (:mod:`lightning_ckpt.measure.meter`, ``exact=True``; the reference steps) follow every
-storage an operator creates. With ``attribute=True`` they also keep a log of it: for each storage, the module that
-was running when it was made (its path in the model, ``model.layers.3.mlp.up_proj``, from global module hooks:
-:class:`ModuleStack`), the operator (``aten.mm``), its shape and dtype, when it was freed, and whether and by which
-module it was saved for backward. From that log (:class:`AllocationLog`) :func:`attribute` names every storage alive
-at a moment of the step — the activation line's peak, the end of the forward, the whole memory's peak (CPU) — with
-its **role**:
+storage an operator creates. Given ``attribute=`` (the blocks' paths) they also keep a log of it: for each storage,
+the module that was running when it was made (its path in the model, ``model.layers.3.mlp.up_proj``, from global
+module hooks: :class:`ModuleStack`), the operator (``aten.mm``), its shape and dtype, when it was freed, and whether
+and by which module it was saved for backward. From that log (:class:`AllocationLog`) :func:`attribute` names every
+storage alive at a moment of the step — the activation line's peak, the end of the forward, the whole memory's peak
+(CPU) — with its **role**:
 
 - ``kept``: saved for backward (a ``saved_tensors_hooks`` pack saw it) — attributed to the module that *saved* it,
   the one whose backward needs it (``input of fc1`` is kept by ``fc1``, wherever it was made);

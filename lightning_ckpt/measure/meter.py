@@ -165,6 +165,21 @@ def _normalize_device(device: Union[torch.device, str, int, None]) -> torch.devi
     return device
 
 
+def _storage_keys(tensors: Iterable[torch.Tensor]) -> set:
+    return {storage_key(st) for t in tensors for st in storages(t)}
+
+
+def _storage_sizes(tensors: Iterable[torch.Tensor]) -> Iterator[Tuple[int, int]]:
+    """``(key, bytes)`` of each storage behind ``tensors``, once."""
+    seen = set()
+    for t in tensors:
+        for st in storages(t):
+            key = storage_key(st)
+            if key not in seen:
+                seen.add(key)
+                yield key, st.nbytes()
+
+
 def _has_allocator_counters(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
@@ -312,7 +327,7 @@ class StepMeter:
     # -- configuration
     def watch(self, model: nn.Module) -> "StepMeter":
         """Never count ``model``'s buffers (e.g. attention masks, rotary tables) as activations."""
-        self._static = frozenset(storage_key(st) for b in model.buffers() for st in storages(b))
+        self._static = frozenset(_storage_keys(model.buffers()))
         self._model = model
         return self
 
@@ -404,8 +419,8 @@ class StepMeter:
         self._logs = None
         if exact and attribute is not None and self._model is not None:
             self._logs = self._attribution_logs(attribute)
-            state = list(state)  # read twice: the base of the timeline, and adopted by the phase tracker below
-            self._base = self._state_base(state)
+            state = list(state)  # read twice: by the timeline here, and adopted by the phase tracker below
+            self._base = self._timeline_base(state)
         if exact:
             self._live = LiveBytes(self.device, gate=torch.is_grad_enabled,
                                    log=self._logs[0] if self._logs else None)
@@ -414,8 +429,6 @@ class StepMeter:
             if not _has_allocator_counters(self.device):  # the allocator gives phase peaks on CUDA
                 self._total = LiveBytes(self.device, log=self._logs[1] if self._logs else None)
                 self._total.adopt(state)
-                if self._logs:  # the state's storages in the log too: the timeline follows them until freed
-                    self._adopt_state(self._logs[1], state)
                 self._total.__enter__()
             self._live.__enter__()
         self._phase_peaks = {}
@@ -514,39 +527,28 @@ class StepMeter:
         total = AllocationLog(self._modules, replaying, phase)
         return AllocationLog(self._modules, replaying, phase, clock=total.clock, partner=total), total
 
-    def _state_base(self, state: Sequence[torch.Tensor]) -> Dict[str, int]:
-        """What the timeline stacks its step on: the parameters, and the rest of the state alive at the start
-        (optimizer state, earlier gradients, the batch), counted once per storage."""
-        params, rest, seen = 0, 0, set()
-        param_keys = {storage_key(st) for p in self._model.parameters() for st in storages(p)}
-        for t in state:
-            for st in storages(t) if isinstance(t, torch.Tensor) and t.device == self.device else ():
-                key = storage_key(st)
-                if key in seen:
-                    continue
-                seen.add(key)
-                if key in param_keys:
-                    params += st.nbytes()
-                else:
-                    rest += st.nbytes()
-        return {"parameters": params, "optimizer state": rest}
-
-    def _adopt_state(self, log: AllocationLog, state: Sequence[torch.Tensor]) -> None:
-        """Each storage of the state, under its ledger line (parameters, gradients, the rest: optimizer state)."""
-        params = {storage_key(st) for p in self._model.parameters() for st in storages(p)}
-        grads = {storage_key(st) for p in self._model.parameters() if p.grad is not None for st in storages(p.grad)}
-        for t in state:
-            for st in storages(t) if isinstance(t, torch.Tensor) and t.device == self.device else ():
-                key = storage_key(st)
-                line = "parameters" if key in params else "gradients" if key in grads else "optimizer state"
-                log.adopt(key, st.nbytes(), line)
-        self._base = {}  # the state is in the log itself
+    def _timeline_base(self, state: Sequence[torch.Tensor]) -> Dict[str, int]:
+        """The model state at the step's start, each storage once under its ledger line (parameters, gradients, the
+        rest: optimizer state). On the CPU its storages go into the whole memory's log, which follows them until
+        freed (an empty base); on CUDA, where only the activation line is logged, they are the constant bands the
+        timeline stacks its step on."""
+        params = _storage_keys(self._model.parameters())
+        grads = _storage_keys(p.grad for p in self._model.parameters() if p.grad is not None)
+        log = None if _has_allocator_counters(self.device) else self._logs[1]
+        base: Dict[str, int] = {}
+        for key, nbytes in _storage_sizes(t for t in state if isinstance(t, torch.Tensor) and t.device == self.device):
+            line = "parameters" if key in params else "gradients" if key in grads else "optimizer state"
+            if log is not None:
+                log.adopt(key, nbytes, line)
+            else:
+                base[line] = base.get(line, 0) + nbytes
+        return base
 
     def _timeline(self) -> Timeline:
         """The step's memory over its events (:mod:`lightning_ckpt.measure.timeline`): the whole memory's log on
         the CPU, the activation line's where the allocator counts the rest (CUDA)."""
         line, total = self._logs
-        grads = {storage_key(st) for p in self._model.parameters() if p.grad is not None for st in storages(p.grad)}
+        grads = _storage_keys(p.grad for p in self._model.parameters() if p.grad is not None)
         return build_timeline(total if total.records else line, self._base, grads, boundaries=line.boundaries)
 
     def _attributions(self, phases: Dict[str, int]) -> Dict[str, PeakAttribution]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+from lightning_ckpt.core.units import format_bytes, unit_for
 from lightning_ckpt.measure.attribution import AllocationLog, role_of
 
 __all__ = ["CATEGORIES", "Timeline", "build_timeline", "draw_timelines", "matplotlib_available"]
@@ -87,17 +88,11 @@ def build_timeline(log: AllocationLog, base: Dict[str, int], grad_keys: Set[int]
     step = max(1, end // points)
     xs = sorted(set(range(0, end, step)) | {peak, end - 1})
     alive = sorted((r for r in log.alive(peak) if r.state is None), key=lambda r: -r.nbytes)[:3]
-    tensors = [f"{_size(r.nbytes)} {category[id(r)]}: {r.module or '(no module)'} ({r.op}) {tuple(r.shape)}"
+    tensors = [f"{format_bytes(r.nbytes)} {category[id(r)]}: {r.module or '(no module)'} ({r.op}) {tuple(r.shape)}"
                for r in alive]
     boundaries = [(b, phase) for b, phase in (log.boundaries if boundaries is None else boundaries) if 0 <= b < end]
     return Timeline(xs, {c: [series[c][i] for i in xs] for c in CATEGORIES}, boundaries, peak, total[peak],
                     tensors, label)
-
-
-def _size(n: int) -> str:
-    from lightning_ckpt.core.units import format_bytes
-
-    return format_bytes(n)
 
 
 def matplotlib_available() -> bool:
@@ -122,8 +117,6 @@ def draw_timelines(timelines: Sequence[Timeline], path: Optional[str] = None, ti
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lightning_ckpt.core.units import unit_for
-
     top = max((t.peak_bytes for t in timelines), default=1)
     unit, scale = unit_for(top)
     fig, axes = plt.subplots(1, len(timelines), figsize=(6.5 * len(timelines), 4.4), sharey=True, squeeze=False)
@@ -133,7 +126,8 @@ def draw_timelines(timelines: Sequence[Timeline], path: Optional[str] = None, ti
         for x, phase in t.boundaries:
             ax.axvline(x, color="black", lw=0.8, ls="--")
             ax.text(x, top / scale * 1.02, f" {phase}", fontsize=8, va="bottom")
-        ax.annotate(f"peak {_size(t.peak_bytes)}\n" + "\n".join(t.peak_tensors), xy=(t.peak_x, t.peak_bytes / scale),
+        ax.annotate(f"peak {format_bytes(t.peak_bytes)}\n" + "\n".join(t.peak_tensors),
+                    xy=(t.peak_x, t.peak_bytes / scale),
                     xytext=(0.02, 0.97), textcoords="axes fraction", fontsize=7, va="top",
                     bbox=dict(boxstyle="round", fc="white", alpha=0.85), arrowprops=dict(arrowstyle="->", lw=0.6))
         ax.set_title(t.label, fontsize=10)

@@ -303,7 +303,8 @@ def test_an_out_of_memory_error_names_the_last_reference_steps_tensors(tmp_path)
         trainer.fit(PhaseModel("forward", at_step=2))
     text = str(err.value)
     assert "At the activation peak of the last reference step (step " in text and ", batch 8 x 8," in text
-    assert "made by layers." in text  # the tensors, by module
+    table = text[text.index("the largest tensors:"):]
+    assert "made by (op) / kept by" in table and " layers." in table  # the tensors, by module
 
 
 def test_the_reference_steps_memory_timeline_is_drawn_beside_the_report_and_in_tensorboard(tmp_path):

@@ -22,8 +22,15 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_ckpt.core.policy import parse_policy_list
 from lightning_ckpt.core.units import GiB, parse_size
 from lightning_ckpt.core.wrap import apply_policy, get_plan
+from lightning_ckpt.decide.anatomy import model_anatomy
 from lightning_ckpt.decide.diagnosis import is_out_of_memory
-from lightning_ckpt.forecast.load import build_model, import_object, load_init_args, make_optimizers, step_loss
+from lightning_ckpt.forecast.load import (
+    build_model,
+    import_object,
+    load_init_args,
+    make_optimizers,
+    step_loss,
+)
 from lightning_ckpt.forecast.precision import PRECISIONS, parse_precision
 from lightning_ckpt.forecast.profile.analysis import ProfileReport, ProfileResult, read_slopes, recommend
 from lightning_ckpt.forecast.profile.output import Progress, markdown, save_plot, summary_text, tensorboard_writer
@@ -431,7 +438,8 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
             bar.advance()
             done += 1
             if reading.attribution:  # an exact reference step (a warm-up one): what its peaks held, the last kept
-                result.anatomy = _anatomy(module, plan, reading, result, precision)
+                result.anatomy = model_anatomy(reading.attribution, module, result.micro_batch, result.seq_len,
+                                               plan.names, plan.modes, parse_precision(precision).autocast_dtype)
             if i < warmup:
                 continue
             rows["fwd"].append(fwd)
@@ -495,18 +503,3 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-
-
-
-
-def _anatomy(module, plan, reading, result, precision: str) -> Dict[str, Any]:
-    """A configuration's reference step, named in the seed's units (:func:`lightning_ckpt.decide.anatomy.anatomy`)."""
-    from lightning_ckpt.decide.anatomy import anatomy, hidden_width, vocab_size
-
-    mode = parse_precision(precision)
-    param = next((p for p in module.parameters() if p.is_floating_point()), None)
-    element = torch.empty((), dtype=mode.autocast_dtype).element_size() if mode.autocast_dtype is not None else (
-        param.element_size() if param is not None else 4)
-    return anatomy(reading.attribution, result.micro_batch, result.seq_len, hidden_width(module), element,
-                   vocab=vocab_size(module), mixed=mode.autocast_dtype is not None, blocks=plan.names,
-                   checkpointed=[m != "off" for m in plan.modes])
