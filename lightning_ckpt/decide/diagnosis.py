@@ -52,14 +52,25 @@ _SUSPECTS: Dict[str, str] = {
 }
 
 
+_RAN_OUT = (
+    "out of memory",
+    "not enough memory",  # the CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: not enough memory")
+    # libraries that allocate outside the caching allocator (cuBLAS creating its handle, cuDNN its plans) report:
+    # CUBLAS_STATUS_ALLOC_FAILED, CUDNN_STATUS_ALLOC_FAILED, hipBLAS alike; cuDNN 9's
+    # CUDNN_STATUS_INTERNAL_ERROR_{HOST,DEVICE}_ALLOCATION_FAILED. They are not sticky CUDA errors: once the cache is
+    # emptied and the step checkpoints more, the same call usually succeeds, so they are retried like the rest.
+    "_status_alloc_failed",
+    "_allocation_failed",
+)
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    """True for ``torch.OutOfMemoryError`` and allocator errors (CUDA or CPU) that say memory ran out."""
+    """True for ``torch.OutOfMemoryError`` and errors (CUDA, cuBLAS, cuDNN or the CPU) that say memory ran out."""
     import torch
 
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
     text = str(error).lower()
-    # the CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: not enough memory")
-    return isinstance(error, oom_type) or "out of memory" in text or "not enough memory" in text
+    return isinstance(error, oom_type) or any(words in text for words in _RAN_OUT)
 
 
 @dataclass

@@ -90,3 +90,22 @@ def test_a_small_models_diagnosis_prints_sizes_in_the_unit_that_fits():
     assert "  params                       0.29 MiB  (  7.3%)" in text  # one unit, the largest line's
     assert "  activations                  1.50 MiB  ( 37.5%)" in text
     assert "GiB" not in text and "0.000" not in text
+
+
+@pytest.mark.parametrize("message", [
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+    "cuDNN Frontend error: [cudnn_frontend] Error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
+])
+def test_a_library_whose_allocation_failed_ran_out_of_memory(message):
+    """cuBLAS and cuDNN allocate outside the caching allocator; their failures are retried like the allocator's."""
+    assert is_out_of_memory(RuntimeError(message))
+
+
+@pytest.mark.parametrize("message", [
+    "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, opa, opb, m, n, k)`",
+    "cuDNN error: CUDNN_STATUS_BAD_PARAM",
+    "CUDA error: an illegal memory access was encountered",
+])
+def test_other_library_errors_are_not_out_of_memory(message):
+    assert not is_out_of_memory(RuntimeError(message))
