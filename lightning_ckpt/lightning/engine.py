@@ -55,6 +55,7 @@ from lightning_ckpt.lightning.compiled import (
 )
 from lightning_ckpt.lightning.gate import ShapeGate
 from lightning_ckpt.lightning.metrics import block_metrics, log_metrics, reduce_across_ranks, tensorboard_layout
+from lightning_ckpt.lightning.ranks import HostGroup
 from lightning_ckpt.lightning.recovery import StepGuard
 from lightning_ckpt.lightning.settings import Settings
 from lightning_ckpt.lightning.shaped import ShapeSteps
@@ -107,6 +108,7 @@ class CheckpointingEngine:
         self.calibration: Optional[BudgetCalibration] = None
         self.shapes: Optional[ShapeSteps] = None  # budget: the plan per batch shape
         self.gate: Optional[ShapeGate] = None  # auto-toggle: the threshold per batch shape, before the step
+        self.ranks = HostGroup()  # runs that agree between steps: a gloo group, so agreeing never waits for the device
         self._restore_dynamo: Optional[Any] = None  # puts dynamo's recompile limit back (room_for_plans)
         self.last_attribution: Optional[Dict[str, Any]] = None  # the last reference step's peaks, named
         self.snapshot: Optional[OOMSnapshot] = None  # snapshot_on_oom: the allocator's record
@@ -242,6 +244,8 @@ class CheckpointingEngine:
         if self.controller is not None and self.calibration is None and s.per_shape:
             self.gate = ShapeGate(self, self.controller.threshold)
             self.gate.setup(trainer)
+        if self.controller is not None:  # it decides on the reduced activation line: gathered on the host
+            self.ranks.setup(trainer)
         self._check_compiler_modes(pl_module)
         if s.measure and not trainer.loggers and not self._warned_no_logger:
             self._warned_no_logger = True
@@ -419,11 +423,12 @@ class CheckpointingEngine:
                                      "timeline": result.reading.timeline}
         self._note_length(result)
         metrics = result.metrics(self.settings.prefix)
+        group = self.ranks.group  # on the host where the run decides: see lightning/ranks.py
         if self._logging:  # every figure reduced across ranks: one collective
-            metrics = reduce_across_ranks(trainer.strategy, metrics)
+            metrics = reduce_across_ranks(trainer.strategy, metrics, group=group)
         elif self._deciding:  # only the activation line: one collective of one float
             key = self._key("memory/activations_gib")
-            metrics = dict(metrics, **reduce_across_ranks(trainer.strategy, {key: metrics[key]}))
+            metrics = dict(metrics, **reduce_across_ranks(trainer.strategy, {key: metrics[key]}, group=group))
         if self.controller is not None:
             metrics[self._key("checkpointing/level")] = float(self.controller.level)
         if self.calibration is not None and self.calibration.chosen is not None:  # this rank's plan: not reduced
@@ -621,6 +626,7 @@ class CheckpointingEngine:
         for per_shape in (self.shapes, self.gate):
             if per_shape is not None:
                 per_shape.close()
+        self.ranks.close()
         if self.snapshot is not None:  # recording stops with the run (its snapshot, if written, stays named)
             self.snapshot.stop()
         if self._restore_dynamo is not None:  # dynamo's cache limit as the user had it

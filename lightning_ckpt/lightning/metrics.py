@@ -3,8 +3,11 @@
 Reduction: every rank measures its own step; the logged memory lines are the **maximum** over ranks (the rank
 closest to running out is the one that matters) and the throughput lines the **sum** (the job's tokens/s). Both
 come from one ``all_gather`` of a small float64 vector on measured steps only (the metric names are the same on
-every rank, so the vector lines up): built on the host (in pinned memory on CUDA), moved with one non-blocking
-copy, gathered, and copied back once, where the max and the sum are taken. ``torchmetrics``' ``MaxMetric`` /
+every rank, so the vector lines up). On runs that agree between steps (a budget per shape, the auto-toggle, which
+reads the reduced activation line every step it decides) it is gathered on the host, over the engine's gloo group
+(:mod:`lightning_ckpt.lightning.ranks`): a step that decides without logging then never waits for the device.
+Otherwise through the strategy: built on the host (in pinned memory on CUDA), moved with one non-blocking copy,
+gathered, and copied back once, where the max and the sum are taken. ``torchmetrics``' ``MaxMetric`` /
 ``SumMetric`` would do the same with one collective per metric, so they are not used.
 
 Logging: the figures are host floats, so they go straight to ``trainer.loggers`` on rank zero, at the step
@@ -68,20 +71,29 @@ def is_throughput(key: str) -> bool:
     return "/throughput/" in f"/{key}"
 
 
-def reduce_across_ranks(strategy: Any, metrics: Dict[str, float]) -> Dict[str, float]:
-    """Max over ranks for memory (and everything else), sum for throughput: one collective, one copy each way.
+def reduce_across_ranks(strategy: Any, metrics: Dict[str, float], group: Any = None) -> Dict[str, float]:
+    """Max over ranks for memory (and everything else), sum for throughput: one collective.
 
-    The vector is made on the host, pinned when the device is CUDA, and moved with a non-blocking copy (a pageable
-    one would wait for the device first); the gathered figures come back in one device-to-host copy, the one wait
-    of the reduction, after the collective.
+    With ``group``, a gloo group (:class:`~lightning_ckpt.lightning.ranks.HostGroup`), the vector is gathered on the
+    host: no device copy, no wait for the device. Without one, through the strategy: the vector is made on the host,
+    pinned when the device is CUDA, and moved with a non-blocking copy (a pageable one would wait for the device
+    first); the gathered figures come back in one device-to-host copy, the one wait of the reduction.
     """
     if getattr(strategy, "world_size", 1) <= 1:
         return metrics
     keys = sorted(metrics)
-    device = torch.device(strategy.root_device)
-    host = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, pin_memory=device.type == "cuda")
-    local = host.to(device, non_blocking=True)  # the CPU (gloo): the same tensor
-    rows = strategy.all_gather(local).to("cpu").reshape(-1, len(keys)).tolist()
+    if group is not None:
+        import torch.distributed as dist
+
+        local = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        rows = torch.stack(gathered).tolist()
+    else:
+        device = torch.device(strategy.root_device)
+        host = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, pin_memory=device.type == "cuda")
+        local = host.to(device, non_blocking=True)  # the CPU (gloo): the same tensor
+        rows = strategy.all_gather(local).to("cpu").reshape(-1, len(keys)).tolist()
     return {k: (sum(row[i] for row in rows) if is_throughput(k) else max(row[i] for row in rows))
             for i, k in enumerate(keys)}
 

@@ -95,7 +95,6 @@ class ShapeReader:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._source: Optional[Tuple[Any, Shape]] = None  # a real batch and its shape, resized to price a shape
-        self._group: Any = None
 
     def read(self, trainer: "pl.Trainer", batch: Any, agree: bool = True) -> Tuple[Shape, Shape]:
         """The batch's shape on this rank and the step's (with ``agree``, the maximum over the ranks: one all-reduce
@@ -124,13 +123,6 @@ class ShapeReader:
         return trace_plans(module, plan, loss_fn, batch, plans, context=context)
 
     # -- ranks
-    def _process_group(self) -> Any:
-        import torch.distributed as dist
-
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        return self._group
-
     def _agree(self, trainer: "pl.Trainer", shape: Shape) -> Shape:
         """The largest shape over the ranks (each dimension's maximum), so every rank plans the same step alike."""
         if trainer.world_size <= 1:
@@ -138,7 +130,7 @@ class ShapeReader:
         import torch.distributed as dist
 
         dims = torch.tensor([shape.samples, *shape.lengths], dtype=torch.int64)
-        dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=self._process_group())
+        dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=self.engine.ranks.group)
         values = [int(v) for v in dims.tolist()]
         return Shape(values[0], tuple(values[1:]))
 
@@ -146,16 +138,14 @@ class ShapeReader:
         import torch.distributed as dist
 
         box = [list(modes)]
-        dist.broadcast_object_list(box, src=0, group=self._process_group())
+        dist.broadcast_object_list(box, src=0, group=self.engine.ranks.group)
         return tuple(box[0])
 
     def setup(self, trainer: "pl.Trainer") -> None:
         """Before the first step, on every rank at once: the CPU process group the agreement uses."""
-        if trainer.world_size > 1:
-            self._process_group()
+        self.engine.ranks.setup(trainer)
 
     def close(self) -> None:
-        self._group = None
         self._source = None
 
 
