@@ -204,6 +204,7 @@ class CheckpointingEngine:
         s = self.settings
         self.guard.configure(trainer)
         device = trainer.strategy.root_device
+        self._read_capacity_again(device)
         graphs = cuda_graphs_in_use(pl_module) if device.type == "cuda" else None  # the allocator's lines: see there
         if graphs is not None:
             warn_cuda_graphs_once(graphs)
@@ -259,6 +260,20 @@ class CheckpointingEngine:
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
                     logger.experiment.add_custom_scalars(tensorboard_layout(s.prefix))
+
+    def _read_capacity_again(self, device: torch.device) -> None:
+        """The capacity once the strategy is set up: DDP's first broadcast made NCCL's communicator buffers, which
+        lie outside the allocator and were still free when the plan was applied. What depends on it (a fractional
+        ``auto_threshold``, a fractional budget, the ledger's headroom) is sized from this reading. (FSDP2 makes its
+        communicators at the first forward: its figure is still read before them.)"""
+        if self.settings.capacity_bytes is not None:
+            return
+        capacity = device_capacity(device)
+        if capacity is None or capacity == self.capacity:
+            return
+        self.capacity = capacity
+        if self.controller is not None:
+            self.controller.threshold = resolve_threshold(self.settings.auto_threshold, capacity)
 
     def _start_snapshot(self, trainer: "pl.Trainer") -> None:
         """``snapshot_on_oom``: record the allocator's history from now on (CUDA; a warning elsewhere)."""

@@ -204,3 +204,21 @@ def test_oom_with_the_ladder_exhausted_raises_the_diagnosis_from_the_original(tm
     assert isinstance(err.value, OutOfMemoryDiagnosis)
     assert "injected" in str(err.value.__cause__)
     assert "forward phase" in str(err.value) and "exhausted" in str(err.value)
+
+
+def test_a_fractional_threshold_follows_the_capacity_read_after_the_strategys_setup(tmp_path, monkeypatch):
+    """The capacity is read again at fit start, after the strategy's setup (DDP's first broadcast makes NCCL's
+    buffers, outside the allocator): a fractional threshold and the ledger use that reading. The old engine kept the
+    one read when the plan was applied, before those buffers existed."""
+    import lightning_ckpt.lightning.engine as engine_module
+
+    readings = iter([10 * GiB, 9 * GiB])  # when the plan is applied, then at fit start (NCCL's buffers taken)
+    monkeypatch.setattr(engine_module, "device_capacity", lambda device: next(readings, 9 * GiB))
+    with monkeypatch.context() as cuda:  # a fraction is refused where no device capacity can be read
+        cuda.setattr(torch.cuda, "is_available", lambda: True)
+        cb = ActivationCheckpointing(policy="none", auto_threshold=0.5)
+    Trainer(**trainer_kwargs(tmp_path, max_steps=1, limit_val_batches=0, num_sanity_val_steps=0),
+            callbacks=[cb]).fit(TinyTransformer(batch_size=4))
+    engine = cb._engine
+    assert engine.capacity == 9 * GiB and engine.controller.threshold == int(0.5 * 9 * GiB)
+    assert engine.monitor.capacity == 9 * GiB
