@@ -15,6 +15,9 @@ What an escalated retry guarantees (``on_oom="escalate"``, one process):
   forward has touched no gradient; an error in the backward is taken back — with gradient accumulation, the
   gradients the failed backward had already added to the earlier micro-batches' are subtracted again (the
   backward's incoming gradients are kept aside while it runs, at most one more gradient line);
+- the retry draws the same random numbers as the failed attempt (dropout masks): the CPU generator's state and
+  every CUDA device's (:data:`DEVICE_RNG`, where CUDA is initialized) are kept before the attempt and put back
+  before the retry;
 - an error in an *earlier* micro-batch of an accumulation window happens outside the optimizer step (Lightning
   runs it directly); it is diagnosed (a note on the error), not retried;
 - the failed attempt is gone before the retry starts: every traceback of the error's chain (``__cause__``,
@@ -51,9 +54,39 @@ from lightning_ckpt.decide.escalation import stronger, stronger_rungs
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_ckpt.lightning.engine import CheckpointingEngine
 
-__all__ = ["GradientJournal", "StepGuard", "release_failed_attempt"]
+__all__ = ["DEVICE_RNG", "CudaGenerators", "GradientJournal", "RandomState", "StepGuard", "release_failed_attempt"]
 
 _STORE_KEY = "lightning_ckpt/out_of_memory"
+
+
+class CudaGenerators:
+    """Every CUDA device's random generator (each call is here, so a CPU test can fake them)."""
+
+    @staticmethod
+    def get_state() -> Optional[List[torch.Tensor]]:
+        """Each device's generator state; ``None`` while CUDA is not initialized (reading would initialize it)."""
+        return torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    @staticmethod
+    def set_state(states: List[torch.Tensor]) -> None:
+        torch.cuda.set_rng_state_all(states)
+
+
+DEVICE_RNG: Any = CudaGenerators
+"""The device generators :class:`RandomState` keeps; replace it in a test."""
+
+
+class RandomState:
+    """The random generators' states before a step's attempt: a retry put back draws what the attempt drew."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.device = DEVICE_RNG.get_state()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            DEVICE_RNG.set_state(self.device)
 
 
 def release_failed_attempt(err: BaseException, keep: Optional[BaseException] = None) -> None:
@@ -167,10 +200,11 @@ class StepGuard:
 
         def retrying_closure() -> Any:
             outside = sys.exc_info()[1]  # being handled by a caller: not the failed attempt's
+            random = RandomState() if self._retries() else None  # the failed attempt's draws are taken back too
             while True:
                 journal = self._journal()
                 try:
-                    return closure()
+                    result = closure()
                 except CheckpointError as err:
                     raise self.replay_error(err) from err
                 except Exception as err:  # noqa: BLE001 - only out-of-memory errors are handled
@@ -180,9 +214,13 @@ class StepGuard:
                         journal.undo()
                     if not self._escalate(err, outside):
                         raise self._stop(err) from err
+                    if random is not None:
+                        random.restore()
+                    continue
                 finally:
                     if journal is not None:
                         journal.close()
+                return result
 
         try:
             return original(optimizer, retrying_closure, *args, **kwargs)

@@ -98,6 +98,72 @@ def test_without_the_journal_a_backward_retry_would_double_count(tmp_path, monke
     assert not torch.allclose(got[1]["head.weight"], expected[1]["head.weight"])
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_retry_draws_the_same_dropout_masks_as_a_run_without_the_error(tmp_path, accumulate):
+    """The failed attempt's forward drew its dropout masks; the retry draws the same ones again (the generators are
+    put back), so every step's gradients are bitwise those of a run without the error."""
+    seed_everything(0)
+    _, expected = _fit(tmp_path / "ref", InjectOOM(dropout=0.5, optimizer="sgd", batch_size=4),
+                       ActivationCheckpointing(policy="none"), accumulate_grad_batches=accumulate)
+    seed_everything(0)
+    at = 2 * accumulate - 1  # the last micro-batch of step 1
+    model = InjectOOM(at=at, phase="backward", dropout=0.5, optimizer="sgd", batch_size=4)
+    _, got = _fit(tmp_path / "oom", model, ActivationCheckpointing(policy="none", on_oom="escalate"),
+                  accumulate_grad_batches=accumulate)
+    assert model.fired and model.attempts.count(at) == 2 and get_plan(model).spec == "every:2"
+    for step in range(3):
+        assert got[step].keys() == expected[step].keys()
+        for name, grad in expected[step].items():
+            assert torch.equal(got[step][name], grad), f"step {step} {name}"
+
+
+class FakeCudaGenerators:
+    """One device generator whose state the model's forward advances, as a CUDA dropout would."""
+
+    state = 0
+    restored: list = []
+
+    @classmethod
+    def get_state(cls):
+        return [cls.state]
+
+    @classmethod
+    def set_state(cls, states):
+        cls.restored.append(list(states))
+        (cls.state,) = states
+
+
+class DrawsOnTheDevice(InjectOOM):
+    def training_step(self, batch, batch_idx):
+        self.drawn = getattr(self, "drawn", [])
+        self.drawn.append(FakeCudaGenerators.state)  # what this attempt's forward would draw from
+        FakeCudaGenerators.state += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_retry_puts_the_device_generators_back(tmp_path, monkeypatch):
+    from lightning_ckpt.lightning import recovery
+
+    FakeCudaGenerators.state, FakeCudaGenerators.restored = 100, []
+    monkeypatch.setattr(recovery, "DEVICE_RNG", FakeCudaGenerators)
+    seed_everything(0)
+    model = DrawsOnTheDevice(at=1, phase="forward", optimizer="sgd", batch_size=4)
+    _fit(tmp_path, model, ActivationCheckpointing(policy="none", on_oom="escalate"))
+    assert model.attempts == [0, 1, 1, 2] and model.drawn == [100, 101, 101, 102]  # the retry drew as batch 1 did
+    assert FakeCudaGenerators.restored == [[101]]
+
+
+def test_without_a_retry_the_generators_are_not_read(tmp_path, monkeypatch):
+    """Only a run that can retry keeps the generators' states (on_oom='diagnose': nothing per step)."""
+    from lightning_ckpt.lightning import recovery
+
+    read = []
+    monkeypatch.setattr(recovery, "RandomState", lambda: read.append(1))
+    seed_everything(0)
+    _fit(tmp_path, TinyTransformer(optimizer="sgd", batch_size=4), ActivationCheckpointing(policy="none"), steps=2)
+    assert read == []
+
+
 @pytest.mark.parametrize("policy, expected", [("selective", "all"), ("group:2", "all"), ("every:2", "all")])
 def test_escalation_only_goes_up_and_names_the_phase(tmp_path, policy, expected, caplog):
     seed_everything(0)
