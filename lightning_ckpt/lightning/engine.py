@@ -240,7 +240,7 @@ class CheckpointingEngine:
                 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
                 rank_zero_warn(WHOLE_MODEL_COMPILE_BUDGET.format(spec=self.policy.spec))
-        if s.snapshot_on_oom and self.snapshot is None:
+        if s.snapshot_on_oom and (self.snapshot is None or not self.snapshot.recording):  # each fit records
             self._start_snapshot(trainer)
         if self.controller is not None and self.calibration is None and s.per_shape:
             self.gate = ShapeGate(self, self.controller.threshold)
@@ -280,12 +280,12 @@ class CheckpointingEngine:
         entries = DEFAULT_MAX_ENTRIES if self.settings.snapshot_on_oom is True else int(self.settings.snapshot_on_oom)
         folder = trainer.log_dir or trainer.default_root_dir  # every rank: log_dir is a collective under DDP
         self.snapshot = OOMSnapshot(folder, trainer.global_rank, entries)
-        if not self.snapshot.start():
+        why_not = self.snapshot.start()  # no CUDA, or an allocator backend that cannot record
+        if why_not is not None:
             self.snapshot = None
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-            rank_zero_warn("lightning_ckpt: snapshot_on_oom=True does nothing here: there is no CUDA allocator to "
-                           "record (the CPU); drop it, or run on a GPU.")
+            rank_zero_warn(why_not)
 
     def _check_compiler_modes(self, pl_module: "pl.LightningModule") -> None:
         """``compiler:<f>`` blocks in a fixed plan: refused inside one whole-model graph (PyTorch takes one budget
@@ -642,7 +642,7 @@ class CheckpointingEngine:
             if per_shape is not None:
                 per_shape.close()
         self.ranks.close()
-        if self.snapshot is not None:  # recording stops with the run (its snapshot, if written, stays named)
+        if self.snapshot is not None:  # recording stops with the run (its snapshot stays named; the next fit records)
             self.snapshot.stop()
         if self._restore_dynamo is not None:  # dynamo's cache limit as the user had it
             self._restore_dynamo()

@@ -24,7 +24,9 @@ What an escalated retry guarantees (``on_oom="escalate"``, one process):
   ``__context__``, exception groups) is cleared with its frames (:func:`release_failed_attempt`), so the tensors
   those frames held are freed before ``gc.collect()`` and ``torch.cuda.empty_cache()`` run; then the step's
   measurement starts over under the new plan (:meth:`~lightning_ckpt.lightning.engine.CheckpointingEngine.restart_step`:
-  the retry's peaks, phases and reference key, nothing of the failed attempt);
+  the retry's peaks, phases and reference key, nothing of the failed attempt); a retry that succeeds forgets the
+  failed attempt's allocator snapshot (:mod:`lightning_ckpt.lightning.snapshot`), so that a later error is not
+  described by it;
 - the retry is inside the closure the precision plugin calls once: with ``16-mixed`` (a ``GradScaler``) the
   gradients are unscaled, and the optimizer stepped, once per optimizer step. An error after the closure (the
   optimizer step, gradient clipping) is diagnosed, never retried: the closure would run, and unscale, twice.
@@ -201,6 +203,7 @@ class StepGuard:
         def retrying_closure() -> Any:
             outside = sys.exc_info()[1]  # being handled by a caller: not the failed attempt's
             random = RandomState() if self._retries() else None  # the failed attempt's draws are taken back too
+            retried = False
             while True:
                 journal = self._journal()
                 try:
@@ -216,10 +219,13 @@ class StepGuard:
                         raise self._stop(err) from err
                     if random is not None:
                         random.restore()
+                    retried = True
                     continue
                 finally:
                     if journal is not None:
                         journal.close()
+                if retried and self.engine.snapshot is not None:  # its snapshot is of an error that is gone
+                    self.engine.snapshot.recovered()
                 return result
 
         try:
@@ -291,8 +297,8 @@ class StepGuard:
         text = diagnose(engine.phase.phase, lines, engine.capacity, last.phase_peaks if last is not None else None)
         if engine.last_attribution is not None:  # which tensors: the last reference step's, labelled as such
             text += "\n" + _peak_lines(engine)
-        where = engine.snapshot.describe() if engine.snapshot is not None else None
-        if where:  # snapshot_on_oom: the allocator's own record, written at the failed allocation
+        where = engine.snapshot.describe(err) if engine.snapshot is not None else None
+        if where:  # snapshot_on_oom: the allocator's own record, written at the failed allocation (or why none is)
             text += "\n" + where
         plan = engine.plan
         if engine.settings.on_oom == "escalate" and self.world_size > 1:
