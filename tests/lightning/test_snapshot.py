@@ -249,5 +249,6 @@ def test_a_real_recovered_out_of_memory_is_not_the_one_named(tmp_path):
     (path,) = list(tmp_path.rglob("oom_snapshot_rank0.pickle"))
     traces = pickle.loads(path.read_bytes())["device_traces"]
     failed = [event["size"] for trace in traces for event in trace if event["action"] == "oom"]
-    assert len(failed) == 2 and failed[-1] > failed[0]  # written at the second failure: both are in its history
+    # written at the second (larger) failure, both in its history (an earlier run's may be there too)
+    assert len(failed) >= 2 and failed[-1] > failed[-2]
     assert f"Allocator snapshot of this rank at the failed allocation: {path}" in str(err.value)
