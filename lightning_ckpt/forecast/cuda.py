@@ -27,16 +27,17 @@ Rules (paths in PyTorch's source tree):
                      math path with CPU dropout.
 2a    flash          —                                saves q, k, v (head dim padded to a     derivatives.yaml
                                                       multiple of 8 first), output            (_scaled_dot_product_
-                                                      [B, H, L, D] laid out [B, L, H, D],     flash_attention);
-                                                      logsumexp [B, H, L] float32,            torch/_meta_
-                                                      rng_state uint64 [2], unused uint64 []. registrations.py
+                                                      [B, H, L, D] in the query's layout      flash_attention);
+                                                      (``empty_like(q)``), logsumexp          torch/_meta_
+                                                      [B, H, L] float32, rng_state uint64     registrations.py;
+                                                      [2], unused uint64 [].                  flash_api.cpp mha_fwd
 2b    efficient      —                                saves q, k, v, attn_bias (a bool mask   derivatives.yaml
                                                       made additive, padded for 8-element     (_scaled_dot_product_
                                                       alignment, expanded to [B, H, L, S]),   efficient_attention);
-                                                      output (as flash), log_sumexp           meta kernel:
-                                                      [B, H, ceil(L/32)*32] float32 (length   ``ceil(M / 32) * 32``
-                                                      0 without grad), philox seed and offset
-                                                      int64 [].
+                                                      output [B, H, L, D] laid out [B, L, H,  meta kernel:
+                                                      D], log_sumexp [B, H, ceil(L/32)*32]    ``ceil(M / 32) * 32``
+                                                      float32 (length 0 without grad), philox
+                                                      seed and offset int64 [].
 2c    math           —                                PyTorch's own ``_scaled_dot_product_    attention.cpp (allow
                                                       attention_math``: fp16/bf16 q, k, v     FP16BF16Reduction
                                                       upcast to float32 unless                MathSDP, pre_process_
@@ -74,14 +75,16 @@ torch version (:class:`~lightning_ckpt.forecast.sdpa.GpuTarget`), as rules with 
 9.15.0, flash from SM 8.0, the math kernel for bf16 before SM 8.0 (it saves the B·H·L·S probabilities). It honours
 ``torch.backends.cuda.enable_*_sdp``, ``sdpa_kernel`` (backends and priority) and deterministic mode.
 
-How backward works: the flash, efficient and cuDNN stand-ins are a ``torch.autograd.Function`` that saves exactly the
-tensors listed above with ``ctx.save_for_backward``. Their output and logsumexp are allocated *before* the
-Function runs, under grad mode, so a tracker counting the storages operators create under grad mode (the meter's
-``LiveBytes``) sees them; the Function returns a view of the output. Its backward returns zero gradients shaped
-like q, k, v (and the bias when it requires grad), which is all a fake trace needs. On real tensors the stand-ins
-therefore give zero outputs and gradients: the context is for tracing memory, not for computing. Everything else
-(dropout, the math path, rms_norm, autocast) is PyTorch's own code and computes real values, on fake tensors
-through their meta kernels.
+How the fused backends run: the context calls PyTorch's own fused op (``_scaled_dot_product_flash_attention``,
+``_efficient_``, ``_cudnn_``) with the arguments attention.cpp passes it on CUDA, so its real autograd node saves
+what ``derivatives.yaml`` lists and every dispatch-level observer sees the op the GPU runs: the ``selective``
+checkpoint policy keeps its outputs (attention output, logsumexp, RNG state) when ``dropout_p == 0``, as it does on
+a GPU. On fake tensors the ops run their meta kernels; on real CPU tensors, the context gives them and their
+backward ops a placeholder CPU kernel whose outputs have the meta kernel's shapes and strides and are zeros, which
+is all a trace needs (keep the context active through backward). The context is for tracing memory, not for
+computing. Everything else (dropout, the math path, rms_norm, autocast) is PyTorch's own code and computes real
+values, on fake tensors through their meta kernels. The kernels are the installed torch's: a target whose efficient
+kernel takes GQA (torch 2.14) cannot be traced with an older torch, which says so.
 
 Not covered: code that calls a C++ kernel below these ops directly, cuDNN RNNs, LayerNorm statistics of fp16/bf16
 *inputs* (the CPU and its fake kernel keep mean and rstd in the input dtype, CUDA in float32: 2 × tokens × 2 bytes
@@ -105,6 +108,7 @@ from lightning_ckpt.forecast.sdpa import (
     SdpaChoice,
     Source,
     blockers,
+    parse_torch_version,
     resolve_gpu,
     rules_for,
     select_for_call,
@@ -237,24 +241,46 @@ def choose_sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return choose_sdpa(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, override, gpu).backend
 
 
-class _FusedAttention(torch.autograd.Function):
-    """The autograd node of a fused CUDA attention kernel: saves what ``derivatives.yaml`` lists for it and returns
-    zero gradients of the right shapes. ``out`` and ``lse`` are allocated by the caller, under grad mode."""
+# The fused kernels attention.cpp calls on CUDA, and the backward ops their autograd nodes call. They have meta
+# kernels but no CPU kernel: inside the context each gets one (:func:`_placeholder_kernel`), so the trace calls the
+# real ops and every dispatch-level observer (the selective checkpoint policy, which keeps their outputs when
+# dropout_p == 0; the meter) sees the op the GPU runs, with its arguments.
+_FUSED_ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+)
 
-    @staticmethod
-    def forward(ctx, query, key, value, bias, out, lse, seed, offset):
-        ctx.save_for_backward(query, key, value, bias, out, lse, seed, offset)
-        return out.view_as(out)  # a view: the output's memory is ``out``, counted once where it was allocated
 
-    @staticmethod
-    def backward(ctx, grad):
-        inputs = ctx.saved_tensors[:4]
-        grads = [torch.zeros_like(t) if t is not None and need else None
-                 for t, need in zip(inputs, ctx.needs_input_grad[:4])]
-        return (*grads, None, None, None, None)
+def _placeholder_kernel(op):
+    """A CPU kernel for a CUDA-only op: the op's meta kernel gives each output's shape, strides and dtype, and the
+    output is zeros (fake tensors never reach it: they run the meta kernel themselves)."""
+
+    def to_meta(t: Any) -> Any:
+        return t.to("meta") if isinstance(t, torch.Tensor) else t
+
+    def to_zeros(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").zero_()
+
+    def kernel(*args, **kwargs):
+        return tree_map(to_zeros, op(*tree_map(to_meta, args), **tree_map(to_meta, kwargs)))
+
+    return kernel
+
+
+# the installed torch's efficient kernels (their meta kernels' gradient shapes) take GQA/MQA since pytorch#191085
+_EFFICIENT_GQA_HERE = parse_torch_version(torch.__version__) >= (2, 14)
+
+
+def _register_fused_attention(lib: torch.library.Library) -> None:
+    for name in _FUSED_ATTENTION_OPS:
+        lib.impl(name, _placeholder_kernel(getattr(torch.ops.aten, name).default), "CPU")
 
 
 def _wants_grad(*tensors: torch.Tensor) -> bool:
+    """``should_compute_logsumexp`` (attention.cpp): grad mode on and an input requires grad."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -263,27 +289,16 @@ def _pad_last_dim(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, pad)) if pad else t
 
 
-def _blhd_zeros(query: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The output of a fused kernel: [B, H, L, D] laid out [B, L, H, D], as the CUDA kernels allocate it (so
-    ``.transpose(1, 2).contiguous()`` in the caller is free, as on the GPU)."""
-    b, h, length = query.shape[:3]
-    return torch.zeros(b, length, h, head_dim, dtype=query.dtype, device=query.device).transpose(1, 2)
-
-
-def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``scaled_dot_product_attention``'s flash branch on CUDA (attention.cpp) with a stand-in kernel (which
-    computes nothing, so dropout, causality and scale do not matter: no mask is saved, philox regenerates it)."""
+def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float, is_causal: bool,
+           scale: Optional[float]) -> torch.Tensor:
+    """``scaled_dot_product_attention``'s flash branch on CUDA (attention.cpp): pad the head dim to a multiple of
+    8 (the padded copies are what the kernel saves), scale by the unpadded head dim, slice the output back."""
     head_dim = query.size(-1)
-    # attention.cpp pads the head dim to a multiple of 8 before the kernel: the padded copies are what it saves
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale  # sdp::calculate_scale on the original query
     query, key, value = (_pad_last_dim(t, 8) for t in (query, key, value))
-    b, h, length = query.shape[:3]
-    out = _blhd_zeros(query, value.size(-1))
-    lse = torch.zeros(b, h, length, dtype=torch.float32, device=query.device)
-    # rng_state and unused: uint64 [2] and [] as in the meta kernel, on the device PyTorch's fake tensors give them
-    seed = torch.empty(2, dtype=torch.uint64, device=query.device)
-    offset = torch.empty((), dtype=torch.uint64, device=query.device)
-    result = _FusedAttention.apply(query, key, value, None, out, lse, seed, offset)
-    return result[..., :head_dim] if result.size(-1) != head_dim else result
+    out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                             scale=scale)[0]
+    return out[..., :head_dim] if out.size(-1) != head_dim else out
 
 
 def _additive_mask(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -303,49 +318,32 @@ def _efficient_bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) 
     return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
 
 
-def _efficient(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """``scaled_dot_product_attention``'s efficient branch on CUDA (attention.cpp) with a stand-in kernel (as
-    :func:`_flash`, only the mask matters: it becomes the saved bias)."""
+def _efficient(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+               dropout_p: float, is_causal: bool, scale: Optional[float]) -> torch.Tensor:
+    """``scaled_dot_product_attention``'s efficient branch on CUDA (attention.cpp): a bool mask becomes an additive
+    bias, padded and expanded (:func:`_efficient_bias`), which the kernel saves."""
+    if key.size(1) != query.size(1) and not _EFFICIENT_GQA_HERE:
+        raise ValueError(
+            f"Install torch 2.14 or newer here, or forecast for torch {torch.__version__.split('+')[0]}: the "
+            "target's memory-efficient attention takes k, v with fewer heads than q (GQA/MQA, pytorch#191085), "
+            "and this torch's kernels, which the trace runs, do not.")
     bias = _additive_mask(attn_mask, query.dtype)
     if bias is not None:
         bias = _efficient_bias(bias, query, key)
-    b, h, length = query.shape[:3]
-    # log_sumexp is only computed when backward will need it; its length is rounded up to 32 (meta kernel)
-    lse_len = math.ceil(length / 32) * 32 if _wants_grad(query, key, value) else 0
-    out = _blhd_zeros(query, value.size(-1))
-    lse = torch.zeros(b, h, lse_len, dtype=torch.float32, device=query.device)
-    seed = torch.empty((), dtype=torch.int64, device=query.device)
-    offset = torch.empty((), dtype=torch.int64, device=query.device)
-    return _FusedAttention.apply(query, key, value, bias, out, lse, seed, offset)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, _wants_grad(query, key, value), dropout_p, is_causal, scale=scale)[0]
 
 
-def _matching_layout_zeros(query: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
-    """``alloc_with_matching_layout`` (cudnn/MHA.cpp, and the meta kernel): the output takes the query's dimension
-    order; ``empty_like`` when the shapes agree (which keeps a strided view's permutation)."""
-    if tuple(query.shape) == tuple(shape):
-        return torch.zeros_like(query)
-    order = sorted(range(4), key=lambda i: query.stride(i))  # stable: ties keep the dimension order
-    strides, step = [0] * 4, 1
-    for i in order:
-        strides[i], step = step, step * shape[i]
-    return torch.zeros(math.prod(shape), dtype=query.dtype, device=query.device).as_strided(shape, strides)
-
-
-def _cudnn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """``scaled_dot_product_attention``'s cuDNN branch (attention.cpp) with a stand-in kernel: a bool mask becomes
-    additive with -65504 (``convert_boolean_attn_mask_cudnn``, not padded, not expanded), which the node saves."""
+def _cudnn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+           dropout_p: float, is_causal: bool, scale: Optional[float]) -> torch.Tensor:
+    """``scaled_dot_product_attention``'s cuDNN branch (attention.cpp): a bool mask becomes additive with -65504
+    (``convert_boolean_attn_mask_cudnn``, not padded, not expanded), which the kernel saves."""
     bias = attn_mask
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=attn_mask.device)
         bias = torch.where(attn_mask.logical_not(), -65504.0, zero)
-    b, h, length = query.shape[:3]
-    out = _matching_layout_zeros(query, (b, h, length, value.size(-1)))
-    lse = torch.zeros(b, h, length, 1, dtype=torch.float32, device=query.device)  # meta kernel: [B, H, L, 1]
-    seed = torch.empty((), dtype=torch.int64, device=query.device)
-    offset = torch.empty((), dtype=torch.int64, device=query.device)
-    return _FusedAttention.apply(query, key, value, bias, out, lse, seed, offset)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query, key, value, bias, _wants_grad(query, key, value), dropout_p, is_causal, False, scale=scale)[0]
 
 
 def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor:
@@ -366,16 +364,14 @@ def _sdpa_kernel(override: str, gpu: GpuTarget, record: Optional[List[SdpaChoice
             record.append(choice)
         if choice.backend == "math":
             return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        # only the rules that batch unbatched input (SdpaCall.unbatched) let 3-D q, k, v reach a fused backend
         unbatched = query.dim() == 3
         if unbatched:
             query, key, value = _as_4d(query, key, value)
-            attn_mask = attn_mask if attn_mask is None or attn_mask.dim() > 3 else attn_mask.unsqueeze(0)
-        if choice.backend == "flash":
-            out = _flash(query, key, value)
-        elif choice.backend == "cudnn":
-            out = _cudnn(query, key, value, attn_mask)
-        else:
-            out = _efficient(query, key, value, attn_mask)
+            attn_mask = attn_mask.unsqueeze(0) if attn_mask is not None and attn_mask.dim() == 3 else attn_mask
+        fused = {"flash": _flash, "cudnn": _cudnn, "efficient": _efficient}[choice.backend]
+        args = (query, key, value) if choice.backend == "flash" else (query, key, value, attn_mask)
+        out = fused(*args, dropout_p, is_causal, scale)
         return out.squeeze(0) if unbatched else out
 
     return sdpa
@@ -577,6 +573,7 @@ def _install(sdpa_backend: str, lower: Optional[torch.dtype], gpu: GpuTarget,
     try:
         lib.impl("dropout", _dropout, "CompositeImplicitAutograd")
         lib.impl("scaled_dot_product_attention", _sdpa_kernel(sdpa_backend, gpu, record), "CompositeImplicitAutograd")
+        _register_fused_attention(lib)
         _register_rms_norm(lib)
         if lower is not None:
             _register_autocast(lib, lower)

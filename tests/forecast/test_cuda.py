@@ -13,7 +13,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_ckpt.forecast import cuda
 from lightning_ckpt.forecast.cuda import SDPA_BACKENDS, choose_sdpa, choose_sdpa_backend, cuda_semantics
-from lightning_ckpt.forecast.sdpa import GpuTarget, SdpaCall, resolve_gpu, saved_bytes, saved_for_backward
+from lightning_ckpt.forecast.sdpa import (
+    GpuTarget,
+    SdpaCall,
+    parse_torch_version,
+    resolve_gpu,
+    saved_bytes,
+    saved_for_backward,
+)
 from lightning_ckpt.forecast.trace import cast_floating
 from lightning_ckpt.measure.tracker import LiveBytes, storage_key, storages
 
@@ -23,6 +30,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 A100 = GpuTarget((8, 0), 92400, (2, 14), name="A100")
 H100 = GpuTarget((9, 0), 91900, (2, 11), name="H100")
 T4 = GpuTarget((7, 5), 91900, (2, 11), name="T4")
+# this torch's efficient kernel takes k, v with fewer heads than q (pytorch#191085, torch 2.14)
+EFFICIENT_GQA_HERE = parse_torch_version(torch.__version__) >= (2, 14)
 # the tracker keys fake storages by identity after reading their (zero) data pointer, which PyTorch warns about
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 
@@ -291,9 +300,14 @@ def test_override_forces_a_backend_or_explains_why_not():
 # --- rule 2: what each backend saves ------------------------------------------------------------------------------
 
 
-def _saved_by_sdpa(backend, q, k, v, gpu=A100, **kwargs):
-    with cuda_semantics(backend, gpu=gpu), Saved() as saved:
-        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+def _saved_by_sdpa(backend, q, k, v, gpu=A100, backward=False, **kwargs):
+    """What SDPA saves under ``cuda_semantics``; ``backward`` runs the backward too, inside the context (on real
+    tensors the fused ops' CPU placeholders exist only there)."""
+    with cuda_semantics(backend, gpu=gpu):
+        with Saved() as saved:
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        if backward:
+            out.float().sum().backward()
     return out, saved
 
 
@@ -304,21 +318,20 @@ def test_flash_saves_qkv_output_and_logsumexp(fake):
         q, k, v = qkv((b, h, length, d))
         out, saved = _saved_by_sdpa("auto", q, k, v, is_causal=True, dropout_p=0.1)
     # derivatives.yaml _scaled_dot_product_flash_attention: query, key, value, output, logsumexp, rng_state, unused
-    assert saved.tensors == [((b, h, length, d), BF16, "cpu")] * 4 + [
+    assert sorted(saved.tensors, key=str) == sorted([((b, h, length, d), BF16, "cpu")] * 4 + [
         ((b, h, length), FP32, "cpu"),  # logsumexp, float32 whatever the inputs
         ((2,), torch.uint64, "cpu"), ((), torch.uint64, "cpu"),  # rng_state, unused (as PyTorch's fake kernel)
-    ]
+    ], key=str)
     # no dropout mask: the kernel regenerates it from the philox state
     assert saved.nbytes == 4 * b * h * length * d * 2 + b * h * length * 4 + 16 + 8
-    assert out.shape == (b, h, length, d) and out.transpose(1, 2).is_contiguous()  # laid out [B, L, H, D]
+    assert out.shape == (b, h, length, d) and out.is_contiguous()  # the query's layout: mha_fwd's empty_like(q)
 
 
 def test_flash_pads_the_head_dim_to_a_multiple_of_8():
     q, k, v = qkv((1, 2, 8, 12))
-    out, saved = _saved_by_sdpa("flash", q, k, v)
-    assert [t[0] for t in saved.tensors[:3]] == [(1, 2, 8, 16)] * 3  # attention.cpp's pad_last_dim<8> copies
+    out, saved = _saved_by_sdpa("flash", q, k, v, backward=True)
+    assert [t[0] for t in saved.tensors].count((1, 2, 8, 16)) == 4  # attention.cpp's pad_last_dim<8> copies, output
     assert out.shape == (1, 2, 8, 12)
-    out.sum().backward()
     assert q.grad.shape == q.shape
 
 
@@ -335,14 +348,13 @@ def test_efficient_saves_the_padded_additive_bias(fake):
     with tensor_mode(fake):
         q, k, v = qkv((b, h, length, d), dtype=FP32)
         mask = torch.ones(length, length, dtype=torch.bool).tril()
-        out, saved = _saved_by_sdpa("auto", q, k, v, attn_mask=mask)
+        out, saved = _saved_by_sdpa("auto", q, k, v, attn_mask=mask, backward=True)
     # q, k, v, bias (the bool mask made additive in the query dtype, padded 17 -> 24 for alignment, sliced,
     # expanded to [B, H, L, S]), output, log_sumexp [B, H, 32], philox seed and offset
-    assert saved.tensors == [((b, h, length, d), FP32, "cpu")] * 3 + [
+    assert sorted(saved.tensors, key=str) == sorted([((b, h, length, d), FP32, "cpu")] * 3 + [
         ((b, h, length, length), FP32, "cpu"), ((b, h, length, d), FP32, "cpu"), ((b, h, 32), FP32, "cpu"),
-        ((), torch.int64, "cpu"), ((), torch.int64, "cpu")]
+        ((), torch.int64, "cpu"), ((), torch.int64, "cpu")], key=str)
     assert ((length * 24 * 4, (length, 24), FP32)) in saved.bases.values()
-    out.sum().backward()
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
@@ -390,7 +402,7 @@ def test_stand_ins_save_what_pytorchs_fused_ops_save(backend):
 @pytest.mark.parametrize("backend", ["flash", "efficient", "math"])
 def test_gradients_have_the_inputs_shapes(backend, fake):
     with tensor_mode(fake):
-        q, k, v = qkv((2, 4, 16, 32), kv_heads=2)
+        q, k, v = qkv((2, 4, 16, 32), kv_heads=2 if backend != "efficient" or EFFICIENT_GQA_HERE else None)
         bias = torch.zeros(2, 1, 16, 16, dtype=BF16, requires_grad=True) if backend == "efficient" else None
         with cuda_semantics(backend, gpu=A100):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.1, enable_gqa=True)
@@ -399,6 +411,15 @@ def test_gradients_have_the_inputs_shapes(backend, fake):
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
     if bias is not None:
         assert bias.grad.shape == bias.shape
+
+
+@pytest.mark.skipif(EFFICIENT_GQA_HERE, reason="this torch's efficient kernel takes GQA")
+def test_efficient_gqa_needs_a_torch_whose_kernel_takes_it():
+    """The A100 target's 2.14 rules send GQA to the efficient kernel; an older installed torch's kernel (whose meta
+    kernel the trace runs) would give key gradients with the query's heads: refused, with the fix."""
+    q, k, v = qkv((2, 4, 16, 32), kv_heads=2)
+    with cuda_semantics("efficient", gpu=A100), pytest.raises(ValueError, match="Install torch 2.14"):
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
 def test_fused_output_and_logsumexp_are_counted_as_new_storages():
@@ -432,15 +453,18 @@ def test_cudnn_stand_in_saves_what_pytorchs_cudnn_op_saves(mask):
     assert out.shape == q.shape
 
 
-def test_cudnn_output_takes_the_querys_layout():
+@pytest.mark.parametrize("backend, gpu", [("cudnn", H100), ("flash", A100)])
+def test_fused_output_takes_the_querys_layout(backend, gpu):
     """A query that is a transposed view of a [B, L, 3C] projection (Hugging Face GPT-2): the output keeps its
-    order, so the caller's ``transpose(1, 2).contiguous()`` copies nothing (alloc_with_matching_layout)."""
+    order, so the caller's ``transpose(1, 2).contiguous()`` copies nothing (cuDNN: alloc_with_matching_layout;
+    flash: mha_fwd's ``empty_like(q)``)."""
     qkv_out = torch.randn(2, 40, 3 * 64, dtype=BF16, requires_grad=True)
     q, k, v = (t.view(2, 40, 4, 16).transpose(1, 2) for t in qkv_out.split(64, dim=2))
-    with cuda_semantics(gpu=H100):
+    assert choose_sdpa(q, k, v, is_causal=True, gpu=gpu).backend == backend
+    with cuda_semantics(gpu=gpu):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.float().sum().backward()
     assert out.transpose(1, 2).is_contiguous()
-    out.float().sum().backward()
 
 
 SAVED_CASES = [("cudnn", H100, True), ("flash", A100, False), ("efficient", A100, True), ("math", T4, False)]
@@ -482,6 +506,65 @@ def test_real_fused_outputs_are_placeholder_zeros():
     q, k, v = qkv((1, 2, 8, 16))
     out, _ = _saved_by_sdpa("flash", q, k, v)
     assert not out.any()
+
+
+# --- rule 2 under the selective policy: the checkpoint policy sees the fused op --------------------------------------
+
+
+class _AttentionBlock(torch.nn.Module):
+    """q, k, v from one matmul, fused attention, an output projection, a residual."""
+
+    def __init__(self, width: int, heads: int, dropout: float, dtype: torch.dtype):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=False, dtype=dtype)
+        self.proj = torch.nn.Linear(width, width, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        b, length, c = x.shape
+        q, k, v = self.qkv(x).view(b, length, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        return x + self.proj(out.transpose(1, 2).reshape(b, length, c))
+
+
+SEL_B, SEL_L, SEL_C, SEL_H, SEL_LAYERS = 2, 64, 64, 4, 3
+SELECTIVE_CASES = [("flash", BF16, A100), ("cudnn", BF16, H100), ("efficient", FP32, A100)]
+
+
+def _live_after_forward(policy: str, dropout: float, dtype, gpu) -> int:
+    """Bytes of the storages a fake forward of a checkpointed stack of attention blocks leaves alive (what the
+    blocks keep for backward, plus their outputs); the backward runs too."""
+    from lightning_ckpt.core.wrap import apply_policy
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = torch.nn.Sequential(*(_AttentionBlock(SEL_C, SEL_H, dropout, dtype) for _ in range(SEL_LAYERS)))
+        apply_policy(model, policy, blocks=_AttentionBlock)
+        x = torch.randn(SEL_B, SEL_L, SEL_C, dtype=dtype)
+        live = LiveBytes(torch.device("cpu"), gate=torch.is_grad_enabled)
+        with cuda_semantics(gpu=gpu):
+            with live:
+                out = model(x)
+            kept = live.live
+            out.float().sum().backward()
+    return kept
+
+
+@pytest.mark.parametrize("backend, dtype, gpu", SELECTIVE_CASES, ids=[c[0] for c in SELECTIVE_CASES])
+def test_selective_keeps_the_fused_attention_outputs_without_dropout(backend, dtype, gpu):
+    """On a GPU the ``selective`` policy sees ``_scaled_dot_product_<backend>_attention`` and keeps its outputs
+    (attention output, logsumexp, RNG state) when dropout_p == 0, and recomputes it with dropout; the CUDA trace
+    must call the same op. The difference is computed from the shapes the kernel returns."""
+    q = torch.empty(SEL_B, SEL_H, SEL_L, SEL_C // SEL_H, dtype=dtype)
+    assert choose_sdpa(q, q, q, None, 0.125, True, gpu=gpu).backend == backend
+    call = SdpaCall.from_tensors(q, q, q, None, 0.0, True)
+    kernel_outputs = sum(t.nbytes for t in saved_for_backward(backend, call)
+                         if t.name not in ("query", "key", "value", "attn_bias"))
+    no_dropout = _live_after_forward("selective", 0.0, dtype, gpu)
+    dropout = _live_after_forward("selective", 0.125, dtype, gpu)
+    assert no_dropout - dropout == SEL_LAYERS * kernel_outputs
+    # with dropout only the matmuls' outputs are kept: qkv [B·L, 3C] and proj [B·L, C] per block, beyond "all"
+    e = torch.finfo(dtype).bits // 8
+    assert dropout - _live_after_forward("all", 0.125, dtype, gpu) == SEL_LAYERS * SEL_B * SEL_L * 4 * SEL_C * e
 
 
 # --- rule 3: cross-entropy ---------------------------------------------------------------------------------------
