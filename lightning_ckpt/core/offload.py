@@ -14,7 +14,8 @@ it frees device memory, and if so copies it to the host on a side stream:
     the saved graph is its only holder and moving it does free device memory);
   - tensors whose elements overlap, such as broadcast (stride-0) views like an expanded attention mask: their
     storage is smaller than they look and moving them would materialise nothing useful;
-  - tensors already on the host, non-strided tensors, tensor subclasses (``DTensor``), conjugate/negative views.
+  - tensors already on the host, non-strided (sparse) and nested tensors, tensor subclasses (``DTensor``),
+    conjugate/negative views.
 
 - **Moved once per storage.** Views of one storage (``q, k, v = qkv.split(...)``, a transpose) share one host
   copy: the first view of a storage copies the whole storage (or only its own span when that covers less than
@@ -351,6 +352,7 @@ class HostOffload:
         self.reused = self.pageable_bytes = 0
         self.kept: Dict[str, int] = {"parameter": 0, "weight_copy": 0, "broadcast": 0, "other": 0}
         self.held = 0  # bytes of live host copies
+        self._empty_pending = False  # released while copies were alive: empty the host cache when they are gone
         self._pageable_live = 0
         self._room = 0  # host bytes this rank may hold in this forward
         self._available = 0  # the node's figure read at the start of this forward
@@ -436,6 +438,9 @@ class HostOffload:
         self.held -= copy.end - copy.start
         if not copy.pinned:
             self._pageable_live -= copy.end - copy.start
+        if self._empty_pending and self.held == 0:  # the last copy that kept a released chunk alive is gone
+            self._empty_pending = False
+            self.transfers.empty_cache()
 
     def new_group(self) -> "_Group":
         group = _Group(self._last_group)
@@ -449,6 +454,9 @@ class HostOffload:
             self.transfers.synchronize()  # no copy still reads or writes a chunk that is freed
             self.arena.clear()
             self.transfers.empty_cache()
+            # live host copies (a graph kept by an exception's traceback) still hold chunks: the host allocator
+            # caches those when they go, so its cache is emptied again then
+            self._empty_pending = self.held > 0
         self._copies.clear()
         self._fixed.clear()
         self._last_group = None
@@ -498,13 +506,21 @@ class _Group:
         self.started = False
 
     def start_backward(self, prefetch: bool) -> None:
+        """This call's backward begins: its own copies are queued first (the side stream runs in order, so a
+        prefetch queued before them would delay the copy needed now), then the previous call's, to overlap this
+        backward."""
         self.started = True
+        self.fetch_all()
         previous = self.previous() if prefetch and self.previous is not None else None
         if previous is not None and not previous.started:
-            for ref in previous.copies:
-                copy = ref()
-                if copy is not None:
-                    copy.fetch()
+            previous.fetch_all()
+
+    def fetch_all(self) -> None:
+        """Start the copy back of every host copy of this call that is still alive (a no-op for those started)."""
+        for ref in self.copies:
+            copy = ref()
+            if copy is not None:
+                copy.fetch()
 
 
 # ------------------------------------------------------------------------------------------------ the hooks
@@ -535,6 +551,10 @@ class _Packer(torch.autograd.graph.saved_tensors_hooks):
         if type(root) is not torch.Tensor or type(t) is not torch.Tensor:  # a parameter, a view of one, a DTensor
             kept["parameter" if isinstance(root, nn.Parameter) else "other"] += 1
             return t
+        # before touching the storage: a sparse tensor has none, a nested one has no single size to rebuild it with
+        if t.layout is not torch.strided or t.is_nested:
+            kept["other"] += 1
+            return t
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self.fixed:  # shares a parameter's or buffer's storage
@@ -545,7 +565,7 @@ class _Packer(torch.autograd.graph.saved_tensors_hooks):
             kept["weight_copy"] += 1
             return t
         numel = t.numel()
-        if not numel or t.layout is not torch.strided or (t.is_complex() and (t.is_conj() or t.is_neg())):
+        if not numel or (t.is_complex() and (t.is_conj() or t.is_neg())):
             kept["other"] += 1
             return t
         size, stride = t.size(), t.stride()

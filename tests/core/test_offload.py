@@ -159,6 +159,35 @@ def test_broadcast_views_stay_where_they_are():
     assert all(torch.equal(g, r) for g, r in zip(grads.values(), _step(reference, x).values()))
 
 
+class SparseMix(nn.Module):
+    """Mixes rows with a sparse matrix made inside the block: ``torch.sparse.mm`` saves it for the backward."""
+
+    def forward(self, x):
+        mix = (torch.eye(x.shape[0]) * 2).to_sparse()
+        return torch.sparse.mm(mix, torch.tanh(x))
+
+
+class Nested(nn.Module):
+    """Runs ``sin`` on a nested tensor of two halves of the batch: ``sin`` saves its nested input."""
+
+    def forward(self, x):
+        half = x.shape[0] // 2
+        nested = torch.nested.as_nested_tensor([x[:half], x[half:]])
+        return torch.nested.to_padded_tensor(nested.sin(), 0.0).reshape(x.shape)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("make", [SparseMix, Nested])
+def test_sparse_and_nested_saved_tensors_stay_where_they_are(make):
+    model = Wrapper(make)
+    x = torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    _, state = _offloaded(model)
+    grads = _step(model, x)
+    assert state.kept["other"] >= 2  # one per block, left before its storage is touched
+    assert all(torch.equal(g, r) for g, r in zip(grads.values(), _step(reference, x).values()))
+
+
 class Split(nn.Module):
     """q, k, v views of one projection's output, each saved by two products (six saved views, one storage)."""
 
@@ -206,10 +235,10 @@ def test_saved_views_come_back_with_their_offset_strides_and_shared_storage():
     assert (saved.stride(), saved.storage_offset(), saved.shape) == (expected.stride(), expected.storage_offset(),
                                                                    expected.shape)
     assert state.copies_out == 2  # the tanh output's storage (whole, once) and exp's output
-    assert state.copies_in == 1
+    assert state.copies_in == 2  # the block's first tensor unpacked brings back all of its copies
     again = out.grad_fn._saved_self
     assert again.untyped_storage().data_ptr() == saved.untyped_storage().data_ptr()  # one device buffer
-    assert state.copies_in == 1
+    assert state.copies_in == 2
 
 
 @pytest.mark.parametrize("precision", ["32", "bf16-autocast"])
@@ -248,6 +277,40 @@ def test_backward_prefetches_the_block_before():
         offload._Group.start_backward = start
     # the last block is fetched on demand; each earlier one was already on its way when its backward started
     assert seen == [False, True, True, True]
+
+
+class RecordingIn(Recording):
+    """Also records the host buffer of each copy back, in the order the copies are issued."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fetched = []
+
+    def copy_in(self, host, device):
+        self.fetched.append(host.data_ptr())
+        return super().copy_in(host, device)
+
+
+def _groups_in_backward_order(state):
+    """The host buffers of each offloaded call's copies, the last call first (the order backward reaches them)."""
+    groups, ref = [], state._last_group
+    while ref is not None and ref() is not None:
+        group = ref()
+        groups.append({c().host.data_ptr() for c in group.copies if c() is not None})
+        ref = group.previous
+    return groups
+
+
+def test_a_blocks_own_copies_are_queued_before_the_prefetch_of_the_next():
+    model = Wrapper(Scaled, n=3)
+    _, state = _offloaded(model, transfers=RecordingIn())
+    out = model(torch.randn(3, 8))
+    groups = _groups_in_backward_order(state)
+    assert len(groups) == 3 and all(groups)
+    out.pow(2).mean().backward()
+    # each copy back labelled by its call's place in backward: the side stream runs them in this order
+    order = [next(i for i, g in enumerate(groups) if ptr in g) for ptr in state.transfers.fetched]
+    assert order == sorted(order) and set(order) == {0, 1, 2}, order
 
 
 def test_the_bytes_moved_per_block_are_measured():
@@ -301,6 +364,34 @@ def test_pinned_memory_is_bounded_over_20_steps_reused_and_released():
     assert state.pinned_bytes > 0
     plan.remove()
     assert state.pinned_bytes == 0
+
+
+class CountingEmpties(Recording):
+    """Counts the calls that give cached pinned memory back to the system."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empties = 0
+
+    def empty_cache(self):
+        self.empties += 1
+
+
+def test_a_release_while_copies_are_alive_empties_the_host_cache_again_when_they_go():
+    model = _gpt()
+    idx = torch.randint(0, 96, (2, 16))
+    plan, state = _offloaded(model, transfers=CountingEmpties())
+    out = model(idx, idx)  # its graph holds the host copies, as an exception's traceback would
+    assert state.held > 0
+    offload.release_host_memory(plan)
+    assert state.pinned_bytes == 0 and state.transfers.empties == 1
+    del out
+    gc.collect()
+    assert state.held == 0
+    assert state.transfers.empties == 2  # the chunks the copies kept went back to the cache, and were freed
+    offload.release_host_memory(plan)  # nothing alive: emptied at once, nothing left pending
+    _step(model, idx, idx)
+    assert state.transfers.empties == 3
 
 
 def test_a_bad_pinned_limit_is_refused():
