@@ -24,13 +24,17 @@ it frees device memory, and if so copies it to the host on a side stream:
 
 - **Copies overlap compute.** On CUDA every copy runs on one side stream per device: device→host after the side
   stream waited for the compute stream (so the source is complete), with ``record_stream`` so that the caching
-  allocator does not reuse the source's memory before its copy ends; host→device on the same stream, and the
-  compute stream waits on an event of that copy before it reads the tensor. **Backward prefetches one block
-  ahead**: the first tensor unpacked in a block's backward starts the host→device copies of the block that ran
-  before it in the forward (the next one in backward), so those copies overlap this block's backward; the first
-  block reached in backward (the last one offloaded) is fetched on demand. Because both directions share one
-  stream, a host buffer is never written again before the copy that reads it has run (stream order is the
-  synchronisation of a non-blocking copy to pinned memory).
+  allocator does not reuse the source's memory before its copy ends; host→device on the same stream, into a
+  buffer allocated on the compute stream (which frees it, so its memory goes back to the compute stream's pool)
+  after the side stream waited for the compute stream, and the compute stream waits on an event of that copy
+  before it reads the tensor. **Backward prefetches one block ahead**: the first tensor unpacked in a block's
+  backward queues the host→device copies of the block's own tensors not yet on their way, then those of the block
+  that ran before it in the forward (the next one in backward), so those copies overlap this block's backward; only
+  the first block reached in backward (the last one offloaded) waits for its own copies, and never behind another
+  block's. Because both directions share one stream, a host buffer is never written again before the copy that
+  reads it has run (stream order is the synchronisation of a non-blocking copy to pinned memory); with several
+  devices in one process, whose side streams share the arena, each side stream waits for the others' copies when
+  the arena starts over.
 
 - **Bounded pinned memory.** Host copies live in an arena of pinned chunks, at most ``pinned_limit`` bytes (default:
   a quarter of the host memory available, divided among the node's ranks), reused across steps (the arena starts
@@ -163,8 +167,6 @@ class Transfers:
             that is not on the CPU (nor meta, nor MPS, whose memory is the host's).
     """
 
-    side_stream = False
-
     def __init__(self, is_device: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
         self.injected = is_device is not None
         self.is_device = is_device if is_device is not None else _not_host
@@ -190,8 +192,15 @@ class Transfers:
     def ready(self, dev: torch.Tensor, ticket: Any) -> None:
         """Make the current stream wait for ``ticket`` before it reads ``dev``."""
 
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (which cannot wait on a side stream's copies)."""
+        return False
+
     def synchronize(self) -> None:
         """Wait for every copy issued so far."""
+
+    def fence(self) -> None:
+        """Order every later copy after every copy issued so far, on any stream, without waiting on the host."""
 
     def empty_cache(self) -> None:
         """Give cached pinned memory back to the system."""
@@ -201,56 +210,108 @@ def _not_host(t: torch.Tensor) -> bool:
     return t.device.type not in ("cpu", "meta", "mps")
 
 
+class _CudaCalls:
+    """The CUDA calls :class:`CudaTransfers` makes, in one place so that the CPU tests can replace them with fakes
+    that record which stream each allocation, copy and wait happened on."""
+
+    def new_stream(self, index: int) -> Any:
+        return torch.cuda.Stream(device=index)
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream: Any) -> Any:
+        """A context manager making ``stream`` the current one."""
+        return torch.cuda.stream(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """``nbytes`` of device memory, from the current stream's pool."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def empty_host_cache(self) -> None:
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
+
+
 class CudaTransfers(Transfers):
-    """CUDA tensors, copied on one side stream per device (see the module docstring for the ordering)."""
+    """CUDA tensors, copied on one side stream per device (see the module docstring for the ordering).
 
-    side_stream = True
+    Args:
+        is_device: as for :class:`Transfers` (default: CUDA tensors).
+        cuda: the CUDA calls made (default: the real ones); the CPU tests pass fakes.
+    """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.is_device = _is_cuda
-        self.streams: Dict[int, torch.cuda.Stream] = {}
+    def __init__(self, is_device: Optional[Callable[[torch.Tensor], bool]] = None,
+                 cuda: Optional[_CudaCalls] = None) -> None:
+        super().__init__(is_device)
+        if is_device is None:
+            self.is_device = _is_cuda
+        self.cuda = cuda if cuda is not None else _CudaCalls()
+        self.streams: Dict[int, Any] = {}
 
-    def _side(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    def _side(self, device: torch.device) -> Any:
+        index = device.index if device.index is not None else self.cuda.current_device()
         stream = self.streams.get(index)
         if stream is None:
-            stream = self.streams[index] = torch.cuda.Stream(device=index)
+            stream = self.streams[index] = self.cuda.new_stream(index)
         return stream
 
     def copy_out(self, src: torch.Tensor, host: torch.Tensor) -> None:
         side = self._side(src.device)
-        side.wait_stream(torch.cuda.current_stream(src.device))  # the source is complete before it is read
-        with torch.cuda.stream(side):
+        side.wait_stream(self.cuda.current_stream(src.device))  # the source is complete before it is read
+        with self.cuda.use(side):
             # non-blocking is safe either way: into pageable memory CUDA returns only once the copy is done
             host.copy_(src, non_blocking=True)
-        src.record_stream(side)  # its memory is not handed out again before this copy has run
+        self.cuda.record_stream(src, side)  # its memory is not handed out again before this copy has run
 
     def copy_in(self, host: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, Any]:
         side = self._side(device)
-        # no wait on the compute stream: the buffer comes from the side stream's own pool, and the host bytes were
-        # written by an earlier copy of this same stream
-        with torch.cuda.stream(side):
+        current = self.cuda.current_stream(device)
+        # allocated from the compute stream's pool, which frees it: the caching allocator never hands a block freed
+        # by one stream to another stream's request, so side-stream buffers would pile up beside the compute pool
+        dev = self.cuda.empty(host.numel(), device)
+        side.wait_stream(current)  # the block may come from a tensor that compute kernels still queued use
+        with self.cuda.use(side):
             # from pageable memory CUDA returns once the bytes are staged: the buffer may be reused at once
-            dev = host.to(device, non_blocking=True)
-            event = torch.cuda.Event()
+            dev.copy_(host, non_blocking=True)
+            event = self.cuda.new_event()
             event.record(side)
+        self.cuda.record_stream(dev, side)  # freed on the compute stream: not handed out before this copy has run
         return dev, event
 
     def ready(self, dev: torch.Tensor, ticket: Any) -> None:
-        current = torch.cuda.current_stream(dev.device)
         if ticket is not None:
-            current.wait_event(ticket)
-        dev.record_stream(current)  # allocated on the side stream, freed after the compute stream is done with it
+            self.cuda.current_stream(dev.device).wait_event(ticket)
+
+    def capturing(self) -> bool:
+        return self.cuda.capturing()
 
     def synchronize(self) -> None:
         for stream in self.streams.values():
             stream.synchronize()
 
+    def fence(self) -> None:
+        # one stream is its own order; several devices' streams share the arena, whose chunks are rewritten
+        for stream in self.streams.values():
+            for other in self.streams.values():
+                if other is not stream:
+                    stream.wait_stream(other)
+
     def empty_cache(self) -> None:
-        empty = getattr(torch._C, "_host_emptyCache", None)
-        if empty is not None:
-            empty()
+        self.cuda.empty_host_cache()
 
 
 def _is_cuda(t: torch.Tensor) -> bool:
@@ -399,6 +460,8 @@ class HostOffload:
         if self.arena is None:
             self.arena = _Arena(self.pinned_limit, self.transfers.host_empty)
         self.arena.rewind()
+        # a chunk read back on one device's side stream may be written next on another's
+        self.transfers.fence()
         self._available = self.host_memory()
         # the arena this rank already holds is not in the system's figure but is this rank's to reuse
         self._own_start = self.arena.pinned + self._pageable_live
@@ -668,7 +731,7 @@ def offloaded_call(owner: Any, block: nn.Module, index: int, run: Callable[..., 
                    kwargs: dict) -> Any:
     """``run(*args, **kwargs)`` with the block's saved tensors offloaded (see the module docstring)."""
     state = offload_state(owner)
-    if state.transfers.side_stream and torch.cuda.is_current_stream_capturing():
+    if state.transfers.capturing():
         return run(*args, **kwargs)  # a CUDA graph being captured cannot wait on another stream's copies
     with _Packer(state, block, index):
         return run(*args, **kwargs)

@@ -7,6 +7,7 @@ are recorded); the gpu-marked tests check the real thing on CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -432,6 +433,108 @@ def test_local_world_size_comes_from_the_launcher(monkeypatch):
     assert offload.local_world_size() == 4
 
 
+# ------------------------------------------------------------------------------------------------ CUDA on the CPU
+
+
+class FakeStream:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.name, other.name))
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", self.name, event.stream))
+
+    def synchronize(self):
+        self.log.append(("synchronize", self.name))
+
+
+class FakeEvent:
+    stream = None
+
+    def record(self, stream):
+        self.stream = stream.name
+
+
+class FakeCuda:
+    """The CUDA calls of :class:`CudaTransfers` on CPU tensors: streams are names, and each allocation, wait and
+    ``record_stream`` is logged with the stream current then."""
+
+    def __init__(self):
+        self.log = []
+        self.now = FakeStream(self.log, "compute")
+
+    def new_stream(self, index):
+        return FakeStream(self.log, f"side{index}")
+
+    def current_device(self):
+        return 0
+
+    def current_stream(self, device):
+        return self.now
+
+    @contextlib.contextmanager
+    def use(self, stream):
+        before, self.now = self.now, stream
+        try:
+            yield
+        finally:
+            self.now = before
+
+    def new_event(self):
+        return FakeEvent()
+
+    def empty(self, nbytes, device):
+        t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.log.append(("empty", self.now.name, t.data_ptr()))
+        return t
+
+    def record_stream(self, t, stream):
+        self.log.append(("record_stream", t.data_ptr(), stream.name))
+
+    def empty_host_cache(self):
+        self.log.append(("empty_host_cache",))
+
+    def capturing(self):
+        return False
+
+
+def test_cuda_copies_back_are_allocated_on_the_compute_stream_and_guarded_for_the_side_stream():
+    model = Wrapper(Scaled)
+    x = torch.randn(3, 8)
+    reference = copy.deepcopy(model)
+    cuda = FakeCuda()
+    _, state = _offloaded(model, transfers=CudaTransfers(is_device=lambda t: True, cuda=cuda))
+    grads = _step(model, x)
+    assert all(torch.equal(g, r) for g, r in zip(grads.values(), _step(reference, x).values()))
+    allocations = [(i, entry) for i, entry in enumerate(cuda.log) if entry[0] == "empty"]
+    assert len(allocations) == state.copies_in > 0
+    for i, (_, stream, ptr) in allocations:
+        # from the pool of the stream that frees it, filled after the side stream waited for that stream's kernels
+        assert stream == "compute", cuda.log
+        assert cuda.log[i + 1] == ("wait", "side0", "compute")
+        assert ("record_stream", ptr, "side0") in cuda.log[i + 2:]
+    # the compute stream reads a buffer (once per saved tensor unpacked) only after an event of the side stream
+    waits = [e for e in cuda.log if e[0] == "wait_event"]
+    assert len(waits) >= state.copies_in and set(waits) == {("wait_event", "compute", "side0")}
+
+
+def test_with_two_devices_each_side_stream_waits_for_the_other_before_the_arena_is_rewritten():
+    model = Wrapper(Scaled)
+    cuda = FakeCuda()
+    transfers = CudaTransfers(is_device=lambda t: True, cuda=cuda)
+    for index in (0, 1):  # both devices' side streams, used by earlier calls
+        transfers._side(torch.device("cuda", index))
+    _offloaded(model, transfers=transfers)
+    for step in range(2):
+        del cuda.log[:]
+        _step(model, torch.randn(3, 8))
+        first_copy = cuda.log.index(("wait", "side0", "compute"))
+        # the arena starts over: copies into it are ordered after every stream's earlier copies back out of it
+        assert {("wait", "side0", "side1"), ("wait", "side1", "side0")} <= set(cuda.log[:first_copy]), step
+
+
 # ------------------------------------------------------------------------------------------------ CUDA
 
 
@@ -542,3 +645,19 @@ def test_cuda_copies_run_on_a_side_stream_and_overlap_compute(tmp_path):
         overlapped += sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans if a < end and b > start)
     print(f"offload: {len(copies)} device-to-host copies, {overlapped / max(total, 1e-9):.0%} of their time "
           "overlapped with compute kernels")
+
+
+@pytest.mark.gpu
+def test_cuda_copies_back_leave_no_memory_in_the_side_streams_pool():
+    """Buffers filled on the side stream are allocated from the compute stream's pool: after a few steps no segment
+    of the caching allocator belongs to a side stream (it would be memory compute can never reuse)."""
+    torch.cuda.empty_cache()
+    model = _cuda_gpt(n_layer=4)
+    idx = torch.randint(0, 256, (4, 512), device="cuda")
+    state = configure_offload(apply_policy(model, "offload"))
+    for _ in range(3):
+        _cuda_step(model, idx)
+    sides = {stream.cuda_stream for stream in state.transfers.streams.values()}
+    segments = {segment["stream"] for segment in torch.cuda.memory_snapshot()}
+    assert state.copies_in > 0 and sides
+    assert not segments & sides, (segments, sides)
