@@ -55,7 +55,9 @@ Evidence. "2.14": PyTorch main @001f694a (the newest source read), whose checks'
 file as it stood between pytorch#171627 (2026-01-02) and pytorch#174245 (2026-02-26), read from a fork that vendors
 it; release/2.11 was cut on 2026-02-18 (pytorch#175093). 2.12 and 2.13 are 2.11 plus the changes merged before
 their branch cuts (:data:`RULES` names them); torch < 2.10 uses the 2.11 checks with its own priority rule, newer
-than 2.14 (2.15.0 is on PyPI) the 2.14 rules: both unverified. Not modelled: nested tensors, FA3/FA4, fp8, ROCm.
+than 2.14 (2.15.0 is on PyPI) the 2.14 rules: both unverified. Unbatched (3-D) q, k, v: 2.11 hands them to the
+4-D shape checks as given, so math runs; 2.14 gives them a batch of one first (2.12 and 2.13 taken as 2.11). Not
+modelled: nested tensors, FA3/FA4, fp8, ROCm.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ class SdpaCall:
     ``heads``/``q_len``/``head_dim`` are the query's; ``kv_*`` and ``v_*`` default to them. ``mask`` is the
     attention mask's shape (``None``: no mask). ``requires_grad``: whether any of q, k, v requires a gradient (the
     training checks). ``storage_offsets``: of q, k, v, in elements (the efficient kernel's pointer alignment).
+    ``unbatched``: q, k, v were 3-D (``dims`` is 3); the other fields describe them with a batch of one, which only
+    the rules that batch such input before their checks (torch 2.14) read.
     """
 
     dtype: torch.dtype
@@ -158,6 +162,7 @@ class SdpaCall:
     last_dim_stride_1: bool = True
     storage_offsets: Tuple[int, int, int] = (0, 0, 0)
     nested: bool = False
+    unbatched: bool = False
 
     @property
     def lk(self) -> int:
@@ -183,10 +188,12 @@ class SdpaCall:
     def from_tensors(cls, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
                      enable_gqa: bool = False) -> "SdpaCall":
-        """The call's properties, read from its tensors (real or fake); 3-D inputs get a batch of one, as
-        ``normalize_unbatched_input`` (sdp_utils_cpp.h) does."""
+        """The call's properties, read from its tensors (real or fake). 3-D q, k, v are described with a batch of
+        one (as ``normalize_unbatched_input``, sdp_utils_cpp.h, makes them) and marked ``unbatched``: whether a
+        fused backend takes them is the rules' decision."""
         q, k, v, mask = query, key, value, attn_mask
-        if q.dim() == k.dim() == v.dim() == 3:
+        unbatched = q.dim() == k.dim() == v.dim() == 3
+        if unbatched:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
             mask = mask.unsqueeze(0) if mask is not None and mask.dim() == 3 else mask
         nested = any(t.is_nested for t in (q, k, v))
@@ -205,6 +212,7 @@ class SdpaCall:
             requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
             last_dim_stride_1=all(t.stride(-1) == 1 for t in (q, k, v)),
             storage_offsets=(q.storage_offset(), k.storage_offset(), v.storage_offset()),
+            dims=3 if unbatched else 4, unbatched=unbatched,
         )
 
 
@@ -441,6 +449,11 @@ def _four_d(call, gpu, flags):
     return None if call.dims == 4 else f"q, k, v must be 4-D (got {call.dims}-D)"
 
 
+def _four_d_after_batching(call, gpu, flags):
+    """``check_tensor_shapes`` on input that ``normalize_unbatched_input`` has given a batch of one."""
+    return None if call.unbatched else _four_d(call, gpu, flags)
+
+
 def _nonzero(call, gpu, flags):
     return None if call.q_len and call.lk else "zero sequence length"
 
@@ -615,11 +628,22 @@ def _supports_d256(gpu: GpuTarget) -> bool:
     return sm90_10x and not sm107_old and gpu.cudnn > 92200
 
 
+def _cudnn_decode_disabled(call, gpu: GpuTarget) -> bool:
+    """2.14's ``check_cudnn_tensor_shapes``: "cuDNN SDPA decode is disabled on SM 10.x and 11.x for cuDNN versions
+    9.19-9.25.0 (except 9.24.1)" (the message in the 2.14.1 binary). Checked before the 8.9.x version checks in
+    the source; it needs cuDNN ≥ 9.19, so they never both refuse."""
+    return call.q_len == 1 and gpu.sm[0] in (10, 11) and 91900 <= gpu.cudnn <= 92500 and gpu.cudnn != 92401
+
+
 def _cudnn_shapes_214(call, gpu, flags):
-    """``check_cudnn_tensor_shapes`` (2.14): batch and heads ≤ 65535; head dim ≤ 128, 256 where
-    :func:`_supports_d256`, else 192/128 on SM 9.0/10.x with cuDNN ≥ 9.11."""
+    """``check_cudnn_tensor_shapes`` (2.14): batch and heads ≤ 65535; no decode on SM 10.x/11.x with some cuDNN
+    versions (:func:`_cudnn_decode_disabled`); head dim ≤ 128, 256 where :func:`_supports_d256`, else 192/128 on
+    SM 9.0/10.x with cuDNN ≥ 9.11."""
     if call.batch > 65535 or call.heads > 65535:
         return f"batch {call.batch} or heads {call.heads} above 65535"
+    if _cudnn_decode_disabled(call, gpu):
+        return (f"decode (query length 1) is disabled on {format_sm(gpu.sm)} for cuDNN 9.19–9.25.0 except 9.24.1 "
+                f"(got {format_cudnn(gpu.cudnn)})")
     limit = 128
     sm90_10x = tuple(gpu.sm) == (9, 0) or gpu.sm[0] == 10
     if _supports_d256(gpu):
@@ -652,15 +676,33 @@ SIXTEENTHS = "cuDNN dropout in 1/16 steps"  # pytorch#174245, merged 2026-02-26:
 POINTER_ALIGNMENT = "efficient: pointer alignment"  # pytorch#184258, merged 2026-05-18: 2.13
 MQA_GQA = "GQA for efficient, MQA broadcast for all"  # pytorch#191085 (2026-07): 2.14
 D256 = "cuDNN d = 256 on SM 9.0/10.x, batch ≤ 65535"  # cuDNN frontend 1.24 era (2026-06/07): 2.14
-MASK_STRIDE = "GPU masks need stride 1"  # read in the 2.14 header; when it came is not known: 2.14
+UNBATCHED = "3-D q, k, v batched before the checks"  # read in the 2.14 source; 2.12/2.13 unverified: 2.14
 
 
 def _s(function: str, version: str, file: str = SDP_UTILS, ref: str = "") -> Source:
     return Source(function, version, file, ref or (_REF211 if version == _E211 else _REF214))
 
 
+def _tensor_shapes(features: FrozenSet[str]) -> Check:
+    """2.11's ``_fused_sdp_choice_cuda`` passes 3-D q, k, v to the checks unchanged, and every fused backend's
+    ``check_tensor_shapes`` wants 4-D: unbatched input runs math. 2.14 batches it first."""
+    if UNBATCHED in features:
+        return Check("tensor_shapes", _four_d_after_batching, _s(
+            "check_tensor_shapes", _E214, SDP_UTILS_H,
+            "after normalize_unbatched_input in _fused_sdp_choice_cuda (cuda/attention.cu); " + _REF214))
+    return Check("tensor_shapes", _four_d, _s("check_tensor_shapes", _E211, SDP_UTILS_H,
+                                              "3-D q, k, v unbatched: _fused_sdp_choice_cuda passes them as given; "
+                                              + _REF211))
+
+
 def _v(feature: bool) -> str:
     return _E214 if feature else _E211
+
+
+# in check_last_dim_stride_equals_1_dense of both versions: the 2.11 binary carries its message too ("GPU backends
+# require attn_mask's last dimension to have stride 1 while the CPU does not")
+_MASK_STRIDE = Check("mask_stride", _mask_stride, _s("check_last_dim_stride_equals_1_dense", _E211, SDP_UTILS_H,
+                                                     "its message is in the 2.11.0 binary too"))
 
 
 def _flash_checks(features: FrozenSet[str]) -> Tuple[Check, ...]:
@@ -668,7 +710,7 @@ def _flash_checks(features: FrozenSet[str]) -> Tuple[Check, ...]:
     return (
         Check("runtime_disabled", _disabled("flash", "flash attention"), _s("check_runtime_disabled_flash", _E211,
                                                                              SDP_UTILS_H)),
-        Check("tensor_shapes", _four_d, _s("check_tensor_shapes", _E211, SDP_UTILS_H)),
+        _tensor_shapes(features),
         Check("attn_mask", _flash_no_mask, _s("check_for_attn_mask", _E211, SDP_UTILS_H)),
         Check("head_dim", _flash_head_dim, _s("check_head_dim_size_flash", _E211)),
         Check("hardware", _hardware((8, 0), (12, 1), "flash attention"),
@@ -698,7 +740,7 @@ def _efficient_checks(features: FrozenSet[str]) -> Tuple[Check, ...]:
               _s("check_runtime_disabled_mem_efficient", _E211, SDP_UTILS_H)),
         Check("hardware", _hardware((5, 0), (12, 1), "memory-efficient attention"),
               _s("check_mem_efficient_hardware_support", _E211)),
-        Check("tensor_shapes", _four_d, _s("check_tensor_shapes", _E211, SDP_UTILS_H)),
+        _tensor_shapes(features),
         Check("head_dim", _efficient_head_dim, _s("check_head_dim_size_mem_efficient", _E211)),
     ]
     if POINTER_ALIGNMENT in features:
@@ -709,9 +751,7 @@ def _efficient_checks(features: FrozenSet[str]) -> Tuple[Check, ...]:
         Check("last_dim_stride", _last_stride(False), _s("check_last_dim_stride_equals_1_dense", _E211,
                                                          SDP_UTILS_H)),
     ]
-    if MASK_STRIDE in features:
-        checks.append(Check("mask_stride", _mask_stride, _s("check_last_dim_stride_equals_1_dense", _E214,
-                                                            SDP_UTILS_H)))
+    checks.append(_MASK_STRIDE)
     gqa = MQA_GQA in features
     checks += [
         # 2.11: check_batch_size_and_num_heads_dense<false>: no GQA, no MQA; pytorch#191085: <true, true, true>
@@ -733,7 +773,7 @@ def _cudnn_checks(features: FrozenSet[str]) -> Tuple[Check, ...]:
         Check("dropout_9_11_9_13", _cudnn_dropout_9_11_to_9_13, _s("can_use_cudnn_attention", _E211,
                                                                    ref="pytorch#163903")),
         Check("runtime_disabled", _disabled("cudnn", "cuDNN attention"), _s("check_runtime_disabled_cudnn", _E211)),
-        Check("tensor_shapes", _four_d, _s("check_tensor_shapes", _E211, SDP_UTILS_H)),
+        _tensor_shapes(features),
         Check("deterministic", _cudnn_deterministic, _s("check_cudnn_deterministic", _E211)),
         Check("dtypes", _cudnn_dtypes, _s("check_dtypes_low_precision", _E211)),
         Check("attn_mask_shape", _cudnn_mask_shape, _s("check_attn_mask_shape", _E211, SDP_UTILS_H)),
@@ -747,9 +787,7 @@ def _cudnn_checks(features: FrozenSet[str]) -> Tuple[Check, ...]:
         Check("last_dim_stride", _last_stride(True), _s("check_last_dim_stride_equals_1_dense", _E211,
                                                         SDP_UTILS_H)),
     ]
-    if MASK_STRIDE in features:
-        checks.append(Check("mask_stride", _mask_stride, _s("check_last_dim_stride_equals_1_dense", _E214,
-                                                            SDP_UTILS_H)))
+    checks.append(_MASK_STRIDE)
     checks += [
         # GQA with k and v heads allowed to differ; MQA broadcast with pytorch#191085
         Check("heads", _heads(True, False, mqa), _s("check_batch_size_and_num_heads_dense", _v(mqa), SDP_UTILS_H,
@@ -785,7 +823,7 @@ RULES: Tuple[RuleSet, ...] = (
             "2.11 + pytorch#174245 (merged before the 2.12 cut); the rest unverified"),
     RuleSet("2.13", (2, 13), _PREFER_213, _checks(SIXTEENTHS, POINTER_ALIGNMENT),
             "2.12 + pytorch#184258 and the CUDA 13 preference; the rest unverified"),
-    RuleSet("2.14", (2, 14), _PREFER_213, _checks(SIXTEENTHS, POINTER_ALIGNMENT, MQA_GQA, D256, MASK_STRIDE),
+    RuleSet("2.14", (2, 14), _PREFER_213, _checks(SIXTEENTHS, POINTER_ALIGNMENT, MQA_GQA, D256, UNBATCHED),
             _REF214),
 )
 

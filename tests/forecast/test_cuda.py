@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -268,6 +269,17 @@ def test_auto_runs_what_the_target_gpu_runs(label, gpu, dtype, expected):
     choice = choose_sdpa(q, k, v, is_causal=True, gpu=gpu)
     assert choice.backend == expected
     assert choice.source.file.startswith("aten/src/ATen/native/transformers/")
+
+
+@pytest.mark.parametrize("gpu, expected", [(H100, "math"), (replace(H100, torch_version=(2, 14)), "cudnn")],
+                         ids=["2.11", "2.14"])
+def test_unbatched_attention_runs_math_on_2_11_and_a_fused_kernel_on_2_14(gpu, expected):
+    q, k, v = (t[0].detach().requires_grad_() for t in qkv((1, 4, 64, 32)))  # [H, L, D] leaves
+    record = []
+    with cuda_semantics(gpu=gpu, record=record):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.float().sum().backward()
+    assert [c.backend for c in record] == [expected] and out.shape == q.shape and q.grad.shape == q.shape
 
 
 def test_default_target_is_resolved_with_its_assumptions(monkeypatch):

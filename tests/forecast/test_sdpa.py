@@ -20,6 +20,7 @@ from lightning_ckpt.forecast.sdpa import (
     SdpaFlags,
     format_cudnn,
     parse_cudnn,
+    parse_torch_version,
     resolve_gpu,
     rules_for,
     saved_bytes,
@@ -165,6 +166,52 @@ def test_masks_per_backend():
     assert choice.backend == "efficient" and choice.rejected["cudnn"][0][1].function == "check_attn_mask_shape"
     grad_mask = replace(three_d, mask=(128, 128), mask_requires_grad=True)
     assert select_for_call(grad_mask, GpuTarget((9, 0), 91900, (2, 11)), SdpaFlags()).backend == "efficient"
+
+
+@pytest.mark.parametrize("torch_version, expected", [("2.11", "math"), ("2.13", "math"), ("2.14", "cudnn")])
+def test_unbatched_input_runs_a_fused_backend_only_where_torch_batches_it(torch_version, expected):
+    """3-D q, k, v: 2.11's _fused_sdp_choice_cuda hands them to check_tensor_shapes, which wants 4-D, so every
+    fused backend refuses and math runs; 2.14 gives them a batch of one first (2.12/2.13 taken as 2.11)."""
+    q = torch.empty(16, 1024, 64, dtype=BF16)
+    call = SdpaCall.from_tensors(q, q, q)
+    choice = select_for_call(call, GpuTarget((9, 0), 91900, parse_torch_version(torch_version)), SdpaFlags())
+    assert choice.backend == expected
+    if expected == "math":
+        assert all(refusals[0][1].function == "check_tensor_shapes" for refusals in choice.rejected.values())
+    assert (call.unbatched, call.dims, call.batch, call.heads, call.q_len) == (True, 3, 1, 16, 1024)
+    batched = SdpaCall.from_tensors(q[None], q[None], q[None])
+    assert not batched.unbatched and batched.dims == 4
+
+
+@pytest.mark.parametrize("torch_version", ["2.11", "2.14"])
+def test_a_mask_whose_last_dim_is_not_contiguous_runs_math(torch_version):
+    """check_last_dim_stride_equals_1_dense refuses an expanded mask (stride 0) on every GPU backend, in 2.11 too
+    (its binary carries the message)."""
+    q = torch.empty(2, 8, 256, 64, dtype=BF16)
+    mask = torch.ones(256, 1, dtype=torch.bool).expand(256, 256)
+    h200 = GpuTarget((9, 0), 91900, parse_torch_version(torch_version), name="H200")
+    choice = select_for_call(SdpaCall.from_tensors(q, q, q, mask), h200, SdpaFlags())
+    assert choice.backend == "math"
+    assert choice.rejected["cudnn"][0][1].function == "check_last_dim_stride_equals_1_dense"
+    contiguous = select_for_call(SdpaCall.from_tensors(q, q, q, mask.contiguous()), h200, SdpaFlags())
+    assert contiguous.backend == "cudnn"
+
+
+@pytest.mark.parametrize("sm, cudnn, torch_version, q_len, expected", [
+    ("10.0", "9.19.0", "2.14", 1, "flash"),   # decode refused: the next backend runs
+    ("10.0", "9.25.0", "2.14", 1, "flash"),
+    ("10.0", "9.24.1", "2.14", 1, "cudnn"),   # the exception
+    ("10.0", "9.25.1", "2.14", 1, "cudnn"),
+    ("10.0", "9.19.0", "2.14", 2, "cudnn"),   # not decode
+    ("9.0", "9.19.0", "2.14", 1, "cudnn"),    # not SM 10.x/11.x
+    ("10.0", "9.19.0", "2.11", 1, "cudnn"),   # a 2.14 rule
+])
+def test_cudnn_decode_is_refused_on_sm_10_and_11_for_some_cudnn_versions(sm, cudnn, torch_version, q_len, expected):
+    choice = pick(sm, cudnn, torch_version=torch_version, q_len=q_len, kv_len=256)
+    assert choice.backend == expected
+    if expected != "cudnn":
+        assert "decode" in choice.rejected["cudnn"][0][0]
+        assert choice.rejected["cudnn"][0][1].function == "check_cudnn_tensor_shapes"
 
 
 def test_is_causal_with_different_lengths():
