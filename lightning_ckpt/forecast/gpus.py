@@ -35,24 +35,37 @@ def _tokens(name: str) -> Tuple[str, ...]:
     return tuple(t for t in re.split(r"[^0-9A-Za-z]+", name.upper()) if t and t not in _NOISE)
 
 
+# majors a bare number names: "10" is SM 10.0 (Blackwell) as "9" is 9.0, never SM 1.0, which no PyTorch runs on
+_BARE_MAJORS = range(10, 13)
+
+
 def _sm_from_number(text: str) -> Optional[Tuple[int, int]]:
-    """``"9.0"``, ``"9"``, ``"sm90"``, ``"sm_90"``, ``"90"``, ``"sm_103"``, ``"12.1"`` -> (major, minor)."""
-    s = text.strip().lower()
-    s = s[2:].lstrip("_") if s.startswith("sm") else s
+    """``"9.0"``, ``"9"``, ``"10"``, ``"sm90"``, ``"sm_90"``, ``"90"``, ``"sm_103"``, ``"12.1"`` -> (major, minor).
+
+    Raises:
+        ValueError: a two-digit number starting with 1 that is not a bare 10-12 (``"sm_10"``, ``"13"``): read as
+            digits it would be SM 1.x, which no PyTorch runs on.
+    """
+    raw = text.strip().lower()
+    s = raw[2:].lstrip("_") if raw.startswith("sm") else raw
     m = re.fullmatch(r"(\d{1,2})(?:\.(\d))?", s)
-    if m and (m.group(2) is not None or len(m.group(1)) == 1):
+    if m and (m.group(2) is not None or len(m.group(1)) == 1 or (s == raw and int(s) in _BARE_MAJORS)):
         return int(m.group(1)), int(m.group(2) or 0)
+    if re.fullmatch(r"1\d", s):
+        raise ValueError(f"Pass major.minor (--sm {s}.0), three digits (--sm sm_{s}0) or a GPU name (--sm B200): "
+                         f"--sm={text!r} could mean SM {s}.0 or SM 1.{s[1]}.")
     m = re.fullmatch(r"(\d{1,2})(\d)", s)  # "90" -> 9.0, "103" -> 10.3
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def parse_sm(value: str) -> Tuple[Tuple[int, int], Optional[str]]:
-    """Parse ``--sm``: an SM version (``"9.0"``, ``"sm90"``, ``"sm_75"``) or a GPU name (``"H100"``,
-    ``"NVIDIA A100-SXM4-80GB"``, ``"RTX 4090"``). Returns ``((major, minor), name)``; ``name`` is the table's
-    spelling, ``None`` for a version.
+    """Parse ``--sm``: an SM version (``"9.0"``, ``"sm90"``, ``"sm_75"``, a bare major ``"9"`` or ``"10"``) or a
+    GPU name (``"H100"``, ``"NVIDIA A100-SXM4-80GB"``, ``"RTX 4090"``). Returns ``((major, minor), name)``; ``name``
+    is the table's spelling, ``None`` for a version.
 
     Raises:
-        ValueError: neither a version nor a GPU in :data:`GPU_SM`; the message lists the names.
+        ValueError: neither a version nor a GPU in :data:`GPU_SM` (the message lists the names), or an ambiguous
+            ``"sm_10"`` / ``"13"`` (SM 10.0 or 1.0?).
     """
     sm = _sm_from_number(str(value))
     if sm is not None:

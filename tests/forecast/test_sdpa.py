@@ -296,7 +296,7 @@ def test_every_rule_names_its_source():
     ("Tesla T4", (7, 5)), ("V100", (7, 0)), ("Tesla V100-SXM2-16GB", (7, 0)), ("RTX 4090", (8, 9)),
     ("NVIDIA GeForce RTX 4090", (8, 9)), ("A10", (8, 6)), ("RTX 6000 Ada", (8, 9)), ("Quadro RTX 6000", (7, 5)),
     ("9.0", (9, 0)), ("sm90", (9, 0)), ("sm_75", (7, 5)), ("86", (8, 6)), ("10.3", (10, 3)), ("sm_100", (10, 0)),
-    ("12.1", (12, 1)), ("8", (8, 0)),
+    ("12.1", (12, 1)), ("8", (8, 0)), ("10", (10, 0)), ("11", (11, 0)), ("12", (12, 0)), ("sm_120", (12, 0)),
 ])
 def test_sm_from_a_version_or_a_gpu_name(name, sm):
     assert parse_sm(name)[0] == sm
@@ -306,6 +306,13 @@ def test_sm_from_a_version_or_a_gpu_name(name, sm):
 def test_unknown_gpu_is_refused_with_the_names():
     with pytest.raises(ValueError, match=r"--sm='Z9000' is neither .*--sm 9.0.*'A100'"):
         parse_sm("Z9000")
+
+
+@pytest.mark.parametrize("text", ["sm_10", "sm12", "13", "sm_11"])
+def test_two_digit_sm_1x_is_refused_as_ambiguous(text):
+    """Read digit by digit these would be SM 1.x, which no PyTorch runs on; a bare 10-12 is a major."""
+    with pytest.raises(ValueError, match=r"Pass major.minor \(--sm 1\d\.0\), three digits .* could mean SM"):
+        parse_sm(text)
 
 
 @pytest.mark.parametrize("text, version", [("9.15.1", 91501), ("9.19", 91900), ("91900", 91900), (91501, 91501),
