@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check for a lent CUDA machine, as it is: no venv, no install (it has no package registry).
-# Run from anywhere:  bash benchmarks/gpu_check.sh [--only PART[,PART]]   (log and JSON summary under $OUT when set)
+# Run from anywhere:  bash benchmarks/gpu_check.sh [--only PART[,PART]] [--budget-s S]   (log and JSON under $OUT)
 # Without CUDA it says so in one line and exits non-zero. Parts and their checks: benchmarks/gpu_check.py.
 set -u
 cd "$(dirname "$0")/.."
