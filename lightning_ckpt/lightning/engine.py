@@ -365,7 +365,7 @@ class CheckpointingEngine:
                                     size=self._step_shape.tokens if measured else None,
                                     attribute=self.plan.names if self.plan is not None else (),
                                     eager=calibrating, tokens=self._logging,
-                                    state=_step_tensors(pl_module, trainer.optimizers, batch),
+                                    state=state_tensors(pl_module, trainer.optimizers), batch=_tensors_in(batch),
                                     exact=self.calibration.exact_step if calibrating else None,
                                     hidden_recompute=bool(compiler_modes(self.plan.modes)))
         else:  # the next micro-batch of an accumulation window
@@ -724,7 +724,6 @@ def _check_state(state: Any) -> Optional[Dict[str, Any]]:
     return state
 
 
-def _step_tensors(pl_module: "pl.LightningModule", optimizers: Any, batch: Any) -> Iterator[torch.Tensor]:
-    """The model state and the batch: what is live when a step starts (read lazily, on exact steps only)."""
-    yield from state_tensors(pl_module, optimizers)
+def _tensors_in(batch: Any) -> Iterator[torch.Tensor]:
+    """The batch's tensors (read lazily, on exact steps only)."""
     yield from (t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))

@@ -375,7 +375,8 @@ class StepMeter:
     # -- the step
     def start_step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
                    eager: bool = False, state: Iterable[torch.Tensor] = (), hidden_recompute: bool = False,
-                   size: Optional[float] = None, attribute: Optional[Sequence[str]] = None) -> None:
+                   size: Optional[float] = None, attribute: Optional[Sequence[str]] = None,
+                   batch: Iterable[torch.Tensor] = ()) -> None:
         """Reset the allocator peaks (no sync) and start counting activations.
 
         Args:
@@ -386,6 +387,7 @@ class StepMeter:
             eager: run compiled code eagerly this step (exact steps always do), e.g. while block hooks measure.
             state: the tensors of the model state (:func:`lightning_ckpt.measure.ledger.state_tensors`), so that an
                 exact step's phase peaks on the CPU include them.
+            batch: the batch's tensors, alive through the step like the state (in the timeline: temporaries).
             hidden_recompute: the step recomputes inside compiled graphs where no replay is reported (blocks under
                 the compiler's own budget, ``compiler:<f>``): a step after the reference reports the reference's
                 figure, as when replays go unseen, since its saved-tensor figure lacks those transients.
@@ -419,8 +421,8 @@ class StepMeter:
         self._logs = None
         if exact and attribute is not None and self._model is not None:
             self._logs = self._attribution_logs(attribute)
-            state = list(state)  # read twice: by the timeline here, and adopted by the phase tracker below
-            self._base = self._timeline_base(state)
+            state, batch = list(state), list(batch)  # read twice: by the timeline here, and by the tracker below
+            self._base = self._timeline_base(state, batch)
         if exact:
             self._live = LiveBytes(self.device, gate=torch.is_grad_enabled,
                                    log=self._logs[0] if self._logs else None)
@@ -429,6 +431,7 @@ class StepMeter:
             if not _has_allocator_counters(self.device):  # the allocator gives phase peaks on CUDA
                 self._total = LiveBytes(self.device, log=self._logs[1] if self._logs else None)
                 self._total.adopt(state)
+                self._total.adopt(batch)
                 self._total.__enter__()
             self._live.__enter__()
         self._phase_peaks = {}
@@ -527,17 +530,20 @@ class StepMeter:
         total = AllocationLog(self._modules, replaying, phase)
         return AllocationLog(self._modules, replaying, phase, clock=total.clock, partner=total), total
 
-    def _timeline_base(self, state: Sequence[torch.Tensor]) -> Dict[str, int]:
-        """The model state at the step's start, each storage once under its ledger line (parameters, gradients, the
-        rest: optimizer state). On the CPU its storages go into the whole memory's log, which follows them until
-        freed (an empty base); on CUDA, where only the activation line is logged, they are the constant bands the
-        timeline stacks its step on."""
+    def _timeline_base(self, state: Sequence[torch.Tensor], batch: Sequence[torch.Tensor] = ()) -> Dict[str, int]:
+        """The model state and the batch at the step's start, each storage once under its line (parameters,
+        gradients, the rest of the state: optimizer state; the batch: temporaries). On the CPU its storages go into
+        the whole memory's log, which follows them until freed (an empty base); on CUDA, where only the activation
+        line is logged, they are the constant bands the timeline stacks its step on."""
         params = _storage_keys(self._model.parameters())
         grads = _storage_keys(p.grad for p in self._model.parameters() if p.grad is not None)
+        inputs = _storage_keys(batch) - _storage_keys(state)
         log = None if _has_allocator_counters(self.device) else self._logs[1]
         base: Dict[str, int] = {}
-        for key, nbytes in _storage_sizes(t for t in state if isinstance(t, torch.Tensor) and t.device == self.device):
-            line = "parameters" if key in params else "gradients" if key in grads else "optimizer state"
+        here = (t for t in (*state, *batch) if isinstance(t, torch.Tensor) and t.device == self.device)
+        for key, nbytes in _storage_sizes(here):
+            line = ("parameters" if key in params else "gradients" if key in grads else
+                    "temporaries" if key in inputs else "optimizer state")
             if log is not None:
                 log.adopt(key, nbytes, line)
             else:
@@ -566,13 +572,13 @@ class StepMeter:
 
     @contextlib.contextmanager
     def step(self, exact: Optional[bool] = None, activations: bool = True, key: Any = None,
-             eager: bool = False, state: Iterable[torch.Tensor] = (),
+             eager: bool = False, state: Iterable[torch.Tensor] = (), batch: Iterable[torch.Tensor] = (),
              hidden_recompute: bool = False, attribute: Optional[Sequence[str]] = None) -> Iterator["_ReadingBox"]:
         """``with meter.step() as box: ...`` then ``box.reading``; the step is closed even on an exception."""
         box = _ReadingBox()
         self.start_step(exact=exact, activations=activations, key=key, eager=eager, state=state,
-                        hidden_recompute=hidden_recompute, attribute=attribute)
-        del state  # a list of the model state would keep last step's gradients alive through the step
+                        hidden_recompute=hidden_recompute, attribute=attribute, batch=batch)
+        del state, batch  # a list of the model state would keep last step's gradients alive through the step
         try:
             yield box
         except BaseException:

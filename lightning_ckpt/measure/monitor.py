@@ -112,16 +112,17 @@ class StepMonitor:
     def begin_step(self, measure: bool, key: Any = None, eager: bool = False, tokens: Optional[bool] = None,
                    state: Iterable[torch.Tensor] = (), exact: Optional[bool] = None,
                    hidden_recompute: bool = False, size: Optional[float] = None,
-                   attribute: Optional[Sequence[str]] = None) -> None:
+                   attribute: Optional[Sequence[str]] = None, batch: Iterable[torch.Tensor] = ()) -> None:
         """Start an optimizer step; ``measure`` counts activations and builds the ledger at the end.
 
         ``key`` (what determines the step's memory: plan, batch shapes, precision) makes the first step of each key
         an exact reference step (see :mod:`lightning_ckpt.measure.meter`); ``eager`` runs compiled code eagerly;
         ``tokens`` (default: ``measure``) counts tokens and samples and reads the step's time, for the time and
         throughput lines (on CUDA reading the time waits for the device once, at :meth:`end_step`); ``state`` are the
-        model state's tensors (for the phase peaks of an exact step on the CPU); ``exact`` forces the step exact or
-        not (``None``: every ``exact_every_n_steps``-th measured step); ``hidden_recompute``, ``size`` and
-        ``attribute`` (the blocks' paths: an exact step names what is alive at its peaks): see
+        model state's tensors and ``batch`` the batch's (for the phase peaks of an exact step on the CPU);
+        ``exact`` forces the step exact or not (``None``: every ``exact_every_n_steps``-th measured step);
+        ``hidden_recompute``, ``size`` and ``attribute`` (the blocks' paths: an exact step names what is alive at its
+        peaks): see
         :meth:`~lightning_ckpt.measure.meter.StepMeter.start_step`. A step that is not measured touches nothing:
         no hook, no allocator counter reset (other tools' peaks stay as they are).
         """
@@ -133,7 +134,7 @@ class StepMonitor:
             if exact is None:
                 exact = bool(self.exact_every_n_steps and self._measured % self.exact_every_n_steps == 0)
             self.meter.start_step(exact=exact, key=key, eager=eager, state=state, hidden_recompute=hidden_recompute,
-                                  size=size, attribute=attribute)
+                                  size=size, attribute=attribute, batch=batch)
         self._ledger_wanted = measure
         self._counting = measure if tokens is None else tokens
         self._tokens, self._samples, self._open = None, 0, True

@@ -10,7 +10,7 @@ of each line of the ledger:
 - ``optimizer state`` made in the optimizer phase and alive at its end (Adam's moments on the first step);
 - ``activations``: what is kept for backward, and a checkpointed block's replay transient;
 - ``autocast copies``: autocast's low-precision weights;
-- ``temporaries``: everything else (activation gradients, the loss's upcast, an update's scratch).
+- ``temporaries``: everything else (the batch, activation gradients, the loss's upcast, an update's scratch).
 
 The forward / backward / optimizer boundaries are kept, and the peak with its three largest tensors.
 :func:`draw_timelines` draws one or several (plans side by side) with matplotlib, which is optional: an extra

@@ -328,3 +328,25 @@ def test_the_reference_steps_memory_timeline_is_drawn_beside_the_report_and_in_t
     acc = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
     acc.Reload()
     assert "lightning_ckpt/memory_timeline" in acc.Tags()["images"]
+
+
+def test_the_timeline_puts_the_batch_with_the_temporaries_not_the_optimizer_state(tmp_path):
+    """The reference step's state band holds exactly the optimizer's tensors, as the ledger walks them; the batch's
+    tensors (alive through the step) are temporaries. The old engine handed the batch in with the model state, so
+    the optimizer band read the batch's bytes too."""
+    from lightning_ckpt.measure.ledger import model_state_bytes
+
+    seed_everything(0)
+    cb = ActivationCheckpointing(policy="every:2")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=3, log_every_n_steps=1, limit_val_batches=0,
+                                       num_sanity_val_steps=0), callbacks=[cb])
+    module = TinyTransformer(batch_size=8)
+    trainer.fit(module)
+    last = cb._engine.last_attribution
+    assert last["step"] >= 1  # the optimizer state existed (Adam's moments), unchanged in size since
+    timeline = last["timeline"]
+    assert timeline.layers["optimizer state"][0] == model_state_bytes(module, trainer.optimizers).optimizer
+    batch = next(iter(trainer.train_dataloader))
+    batch_bytes = sum(t.numel() * t.element_size() for t in (batch if isinstance(batch, (list, tuple)) else [batch])
+                      if isinstance(t, torch.Tensor))
+    assert timeline.layers["temporaries"][0] >= batch_bytes > 0

@@ -401,7 +401,7 @@ def _run_configuration(module, plan, source, initial, result: ProfileResult, dev
             t_step = time.perf_counter()
             # the first step creates the optimizer state: the steady state's exact reference is the next one
             steady = all(bool(opt.state) for opt in opts)
-            meter.start_step(key=(result.name, steady), state=[*state_tensors(module, opts), *_tensors_of(batch)],
+            meter.start_step(key=(result.name, steady), state=state_tensors(module, opts), batch=_tensors_of(batch),
                              attribute=plan.names)
             try:
                 for k in range(result.accumulate):  # Lightning's order: forward, zero_grad, backward
