@@ -57,6 +57,7 @@ With the default transfers a block whose first tensor input is on the CPU runs w
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -415,6 +416,7 @@ class HostOffload:
         self.held = 0  # bytes of live host copies
         self._empty_pending = False  # released while copies were alive: empty the host cache when they are gone
         self._pageable_live = 0
+        self._said_pageable = False  # the first copy past the pinned bound is said once
         self._room = 0  # host bytes this rank may hold in this forward
         self._available = 0  # the node's figure read at the start of this forward
         self._own_start = 0  # host bytes this rank held then
@@ -490,12 +492,23 @@ class HostOffload:
             host = self.transfers.host_empty(nbytes, False)
             self._pageable_live += nbytes
             self.pageable_bytes += nbytes
+            self._say_pageable()
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, start, (nbytes,))
         self.transfers.copy_out(src, host)
         self.copies_out += 1
         self.bytes_out += nbytes
         self.held += nbytes
         return _HostCopy(self, host, pinned, start, end, ptr, t._version, t.device)
+
+    def _say_pageable(self) -> None:
+        """Once: copies past the pinned bound are synchronous with the host, a cost the user should know of."""
+        if self._said_pageable:
+            return
+        self._said_pageable = True
+        warnings.warn(f"lightning_ckpt: offload fewer blocks, or raise the pinned bound with configure_offload(plan, "
+                      f"pinned_limit=...): its {format_bytes(self.pinned_limit)} of pinned host memory are full, so "
+                      "further copies go through pageable memory and wait for the device (no overlap).",
+                      RuntimeWarning, stacklevel=2)
 
     def _released(self, copy: "_HostCopy") -> None:
         self.held -= copy.end - copy.start

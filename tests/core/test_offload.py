@@ -12,6 +12,7 @@ import copy
 import gc
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -661,3 +662,18 @@ def test_cuda_copies_back_leave_no_memory_in_the_side_streams_pool():
     segments = {segment["stream"] for segment in torch.cuda.memory_snapshot()}
     assert state.copies_in > 0 and sides
     assert not segments & sides, (segments, sides)
+
+
+def test_copies_past_the_pinned_bound_are_said_once_with_the_fix():
+    """The first copy that goes to pageable memory (synchronous with the host on CUDA) warns once per run, naming
+    the bound and how to raise it; the old code said nothing."""
+    model = _gpt()
+    idx = torch.randint(0, 96, (2, 16))
+    plan, state = _offloaded(model, pinned_limit=64 * KiB)  # under what one step moves
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            _step(model, idx, idx, seed=step)
+    said = [str(w.message) for w in caught if "pinned_limit" in str(w.message)]
+    assert state.pageable_bytes > 0 and len(said) == 1, said
+    assert said[0].startswith("lightning_ckpt: offload fewer blocks") and "64.0 KiB" in said[0], said
