@@ -25,9 +25,17 @@ logits and the loss are alive, in backward they are gone (an ``int`` is both).
 Peak model (blocks run 0…L-1 forward, L-1…0 backward): at the end of the forward ``base_f + Σ kept_j``; while block
 i's backward runs, blocks after i are freed, so ``base_b + Σ_{j<i} kept_j + replay_i``; the peak is the larger.
 
+``offload`` prefetches one offloaded block ahead (:mod:`lightning_ckpt.core.offload`): when offloaded block q's
+backward starts, it brings back its own interior, then that of p, the offloaded block that ran last before it in the
+forward (blocks of other modes in between do not count), and p's copies stay on the device until p's own backward
+has consumed them. So while the backward of any block i with p ≤ i ≤ q runs, p's interior is live too: the moment
+of block i with p < i ≤ q is ``base_b + Σ_{j<i} kept_j + (replay_i, or kept_i for an off block) + interior_p``.
+
 :func:`plan_budget` solves this exactly: a dynamic programme over blocks in order whose states are
-(bytes kept so far, worst transient so far, time so far), with states another state beats on all three dropped.
-It is exact because the peak of a prefix only depends on these three numbers (tested against brute force).
+(bytes kept so far, worst backward moment so far, interior of the last offloaded block, worst moment since that
+block raised by its interior, time so far), with states another state beats on all five dropped. The fourth number
+is what the worst moment becomes if a later block is offloaded (then p's interior is prefetched during all of them);
+the peak only grows with each number, so a beaten state never leads to a better plan (tested against brute force).
 """
 
 from __future__ import annotations
@@ -184,14 +192,27 @@ def _peak(prefix: int, transient: int, base: Base) -> int:
 
 
 def _prefix_and_transient(costs: Sequence[BlockCost], plan: Sequence[Union[bool, str]]) -> Tuple[int, int]:
-    """Bytes the blocks keep at the end of the forward, and their worst moment in backward (bases apart)."""
+    """Bytes the blocks keep at the end of the forward, and their worst moment in backward (bases apart).
+
+    The reference the solver is tested against: each block's moment straight from the module docstring."""
+    options = [cost.option(mode) for cost, mode in zip(costs, _as_modes(plan))]
+    offloaded = [i for i, option in enumerate(options) if option.mode == "offload"]
     prefix = transient = 0
-    for cost, mode in zip(costs, _as_modes(plan)):
-        option = cost.option(mode)
-        if option.replay:
-            transient = max(transient, prefix + option.replay)
+    for i, option in enumerate(options):
+        prefetched = _prefetched(options, offloaded, i)
+        if option.replay or prefetched:
+            transient = max(transient, prefix + (option.replay or option.kept) + prefetched)
         prefix += option.kept
     return prefix, transient
+
+
+def _prefetched(options: Sequence[ModeCost], offloaded: Sequence[int], i: int) -> int:
+    """Bytes brought back ahead of their own backward while block ``i``'s backward runs: the interior of the last
+    offloaded block before ``i``, once an offloaded block at or after ``i`` has started its backward."""
+    before = [j for j in offloaded if j < i]
+    if not before or not any(j >= i for j in offloaded):
+        return 0
+    return options[before[-1]].replay
 
 
 def predict_peak(costs: Sequence[BlockCost], plan: Sequence[Union[bool, str]], base: Base = 0) -> int:
@@ -199,19 +220,33 @@ def predict_peak(costs: Sequence[BlockCost], plan: Sequence[Union[bool, str]], b
     return _peak(*_prefix_and_transient(costs, plan), base)
 
 
-_State = Tuple[int, int, float, Tuple[int, ...]]  # kept so far, worst transient, time, option index per block
+# kept so far, worst moment so far, interior of the last offloaded block (0: none), worst moment since it raised by
+# that interior (at least the worst moment), time, option index per block
+_State = Tuple[int, int, int, int, float, Tuple[int, ...]]
+
+
+def _grow(state: _State, option: ModeCost, k: int) -> _State:
+    """``state`` followed by a block run as ``option`` (its index ``k`` among the block's options)."""
+    prefix, transient, last, pending, seconds, picks = state
+    own = option.replay or option.kept  # live while its backward runs: an off block holds what it keeps
+    if option.mode == "offload":
+        # its backward prefetches the last offloaded block: every moment since that one carries its interior
+        if option.replay or last:
+            transient = max(transient, pending, prefix + own + last)
+        last, pending = option.replay, transient
+    else:
+        if option.replay:
+            transient = max(transient, prefix + option.replay)
+        pending = max(pending, transient, prefix + own + last) if last else transient
+    return prefix + option.kept, transient, last, pending, seconds + option.seconds, picks + (k,)
 
 
 def _frontier(options: Sequence[Sequence[ModeCost]], limit: Optional[int], base: Base, max_states: int
               ) -> List[_State]:
-    states: List[_State] = [(0, 0, 0.0, ())]
+    states: List[_State] = [(0, 0, 0, 0, 0.0, ())]
     for block in options:
-        grown = []
-        for prefix, transient, time, picks in states:
-            for k, option in enumerate(block):
-                worst = max(transient, prefix + option.replay) if option.replay else transient
-                grown.append((prefix + option.kept, worst, time + option.seconds, picks + (k,)))
-        if limit is not None:
+        grown = [_grow(state, option, k) for state in states for k, option in enumerate(block)]
+        if limit is not None:  # kept bytes and the worst moment only grow: a state over the limit stays over it
             grown = [s for s in grown if _peak(s[0], s[1], base) <= limit]
         states = _pareto(grown)[:max_states]
         if not states:
@@ -248,20 +283,21 @@ def plan_budget(costs: Sequence[BlockCost], budget: int, base: Base = 0, modes: 
     if known:
         floor = min(floor, min(known.values()))
     states = [s for s in _frontier(options, budget, base, max_states)
-              if known.get(tuple(options[i][k].mode for i, k in enumerate(s[3])), 0) <= budget]
+              if known.get(tuple(options[i][k].mode for i, k in enumerate(s[5])), 0) <= budget]
     for plan, peak in known.items():  # measured plans that fit, at the peak they were measured at
         if peak <= budget:
             picks = tuple([o.mode for o in opts].index(m) for m, opts in zip(plan, options))
-            states.append((peak - _bases(base)[0], 0, sum(options[i][k].seconds for i, k in enumerate(picks)), picks))
+            seconds = sum(options[i][k].seconds for i, k in enumerate(picks))
+            states.append((peak - _bases(base)[0], 0, 0, 0, seconds, picks))
     if not states:
         if strict:
             raise ValueError(f"budget {format_bytes(budget)} cannot be met: the smallest feasible activation budget "
                              f"with modes {list(modes)} is {format_bytes(floor)}; pass at least that.")
-        states = [min(_frontier(options, None, base, max_states), key=lambda s: (_peak(s[0], s[1], base), s[2]))]
+        states = [min(_frontier(options, None, base, max_states), key=lambda s: (_peak(s[0], s[1], base), s[4]))]
     # equal times: fewest blocks changed, then lowest peak (a mode measured as free is free within noise only)
-    prefix, transient, time, picks = min(states, key=lambda s: (s[2], sum(options[i][k].mode != "off"
-                                                                          for i, k in enumerate(s[3])),
-                                                                _peak(s[0], s[1], base)))
+    prefix, transient, _, _, time, picks = min(states, key=lambda s: (s[4], sum(options[i][k].mode != "off"
+                                                                                for i, k in enumerate(s[5])),
+                                                                      _peak(s[0], s[1], base)))
     chosen = tuple(options[i][k] for i, k in enumerate(picks))
     peak = known.get(tuple(o.mode for o in chosen), _peak(prefix, transient, base))
     return BudgetPlan(tuple(o.mode for o in chosen), peak, time, peak <= budget, budget, floor,
@@ -269,9 +305,12 @@ def plan_budget(costs: Sequence[BlockCost], budget: int, base: Base = 0, modes: 
 
 
 def _pareto(states: List[_State]) -> List[_State]:
+    """The states no other state beats on bytes kept, worst moment, last offloaded interior, pending moment and
+    time (all four byte figures only raise the final peak), fastest first."""
     kept: List[_State] = []
-    for state in sorted(states, key=lambda s: (s[2], s[0], s[1])):
-        if not any(k[0] <= state[0] and k[1] <= state[1] for k in kept):
+    for state in sorted(states, key=lambda s: (s[4], s[0], s[1], s[2], s[3])):
+        prefix, transient, last, pending = state[:4]
+        if not any(k[0] <= prefix and k[1] <= transient and k[2] <= last and k[3] <= pending for k in kept):
             kept.append(state)
     return kept
 

@@ -201,6 +201,67 @@ def test_mixed_mode_solver_is_optimal_against_brute_force(seed):
         assert {m.split(":")[0] for m in plan.modes} <= set(modes)
 
 
+# offload's backward prefetch: the interiors of these blocks, offloaded, tell which block's bytes were prefetched
+_A = BlockCost(interior=10 * MiB, boundary=1 * MiB, recompute_s=0.01, offload_s=0.002)
+_B = BlockCost(interior=12 * MiB, boundary=1 * MiB, recompute_s=0.01, offload_s=0.002)
+_C = BlockCost(interior=20 * MiB, boundary=2 * MiB, recompute_s=0.01, offload_s=0.002)
+
+
+@pytest.mark.parametrize("blocks, plan, without_prefetch", [
+    ([_A, _C], ("offload", "offload"), 20),  # adjacent: C's backward brings back its 20 MiB, then A's 10
+    ([_A, _B, _C], ("offload", "recompute", "offload"), 21),  # B's boundary + C, then A's 10 prefetched
+    ([_A, _B, _C], ("offload", "off", "offload"), 32),  # B kept + C, then A's 10 prefetched
+    # the recompute block between them binds: A's interior, prefetched by C, is back while B replays its 40 MiB
+    ([_A, BlockCost(40 * MiB, 1 * MiB, 0.01), BlockCost(4 * MiB, 1 * MiB, 0.01, offload_s=0.002)],
+     ("offload", "recompute", "offload"), 41),
+])
+def test_the_peak_counts_the_offloaded_block_prefetched_by_the_next_offloaded_one(blocks, plan, without_prefetch):
+    """The old model (no prefetch) read ``without_prefetch``: low by exactly the prefetched interior, A's."""
+    assert predict_peak(blocks, plan) == without_prefetch * MiB + _A.interior
+    base = (5 * MiB, 3 * MiB)  # the backward's base under it
+    assert predict_peak(blocks, plan, base) == 3 * MiB + without_prefetch * MiB + _A.interior
+
+
+def test_nothing_is_prefetched_without_an_offloaded_block_on_each_side():
+    assert predict_peak([_A, _B], ("offload", "recompute")) == 13 * MiB  # no offloaded block after A prefetches it
+    assert predict_peak([_B, _C], ("recompute", "offload")) == 21 * MiB  # nothing offloaded before C
+    assert predict_peak([_A, _C], ("offload", "off")) == 20 * MiB  # the end of the forward: C kept
+
+
+def test_a_plan_that_fits_only_without_the_prefetch_is_not_chosen():
+    """Offload is the cheapest mode here: the old model put three adjacent offloaded blocks at one interior
+    (10 MiB) and chose them under 16 MiB; each one's backward also holds the previous one's interior (20 MiB)."""
+    costs, modes = [_A] * 4, ("off", "recompute", "offload")
+    three = ("offload", "offload", "offload", "off")
+    plan = plan_budget(costs, 16 * MiB, modes=modes)
+    assert plan.fits and plan.modes != three and plan.modes.count("offload") == 1
+    assert predict_peak(costs, three) == 20 * MiB
+    assert plan.predicted_peak == predict_peak(costs, plan.modes) <= 16 * MiB
+    assert smallest_budget(costs, modes=modes) == 12 * MiB
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_solver_is_exact_with_several_offloaded_blocks_between_other_modes(seed):
+    """Brute force over every plan of 6 blocks where offload is cheap, so the best plans offload several blocks
+    apart: the dynamic programme's extra state (the last offloaded interior, the worst moment since it) is exact."""
+    import random
+
+    rng = random.Random(100 + seed)
+    costs = [BlockCost(rng.randint(4, 40) * MiB, rng.randint(1, 4) * MiB, recompute_s=rng.uniform(0.005, 0.05),
+                       offload_s=rng.uniform(0.0005, 0.01)) for _ in range(6)]
+    base, modes = (rng.randint(0, 20) * MiB, rng.randint(0, 20) * MiB), ("off", "recompute", "offload")
+    plans = list(itertools.product(*[[o.mode for o in c.options(modes)] for c in costs]))
+    peaks = {plan: predict_peak(costs, plan, base) for plan in plans}
+    floor, none = min(peaks.values()), peaks[("off",) * 6]
+    assert smallest_budget(costs, base, modes) == floor
+    for fraction in (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75):  # the plans chosen offload 2 to 5 blocks, mixed
+        budget = int(floor + fraction * (none - floor))
+        plan = plan_budget(costs, budget, base, modes)
+        assert plan.fits and plan.predicted_peak == peaks[plan.modes] <= budget
+        best = min(sum(c.option(m).seconds for c, m in zip(costs, p)) for p in plans if peaks[p] <= budget)
+        assert plan.recompute_s == pytest.approx(best)
+
+
 def test_equally_fast_plans_change_the_fewest_blocks():
     """A mode measured as free (a compiled ``selective`` can time at 0.0 s within noise) ties with ``off``: with
     room to spare the plan leaves the blocks alone; where memory binds the free mode is taken."""
