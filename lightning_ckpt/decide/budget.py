@@ -32,14 +32,18 @@ has consumed them. So while the backward of any block i with p ≤ i ≤ q runs,
 of block i with p < i ≤ q is ``base_b + Σ_{j<i} kept_j + (replay_i, or kept_i for an off block) + interior_p``.
 
 :func:`plan_budget` solves this exactly: a dynamic programme over blocks in order whose states are
-(bytes kept so far, worst backward moment so far, interior of the last offloaded block, worst moment since that
-block raised by its interior, time so far), with states another state beats on all five dropped. The fourth number
-is what the worst moment becomes if a later block is offloaded (then p's interior is prefetched during all of them);
-the peak only grows with each number, so a beaten state never leads to a better plan (tested against brute force).
+(bytes kept so far, worst backward moment so far, time so far, where the state stands with the prefetch). An
+offloaded block branches in two: either no later block is offloaded, or one is, and then its interior is charged
+at once to the moment of every block up to that next offloaded block, which the state must then reach (a plan
+that ends owing it is none). States another state beats are dropped: as fast, no more bytes kept, no worse moment,
+and at least the same plans open for no more bytes (no block offloaded yet beats any stage; otherwise only the
+same stage, prefetching no more). It is exact because a plan's peak depends on the state only, and only grows with
+its numbers (tested against brute force).
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -220,38 +224,40 @@ def predict_peak(costs: Sequence[BlockCost], plan: Sequence[Union[bool, str]], b
     return _peak(*_prefix_and_transient(costs, plan), base)
 
 
-# kept so far, worst moment so far, interior of the last offloaded block (0: none), worst moment since it raised by
-# that interior (at least the worst moment), time, option index per block
+# Where a state stands with offload's prefetch: no block offloaded yet; the last offloaded block is the last one
+# (no later block may be offloaded); another offloaded block must follow the last one, whose interior it prefetches
+_OPEN, _LAST, _AHEAD = 0, 1, 2
+# kept so far, worst moment so far, interior prefetched ahead (_AHEAD only, else 0), _OPEN/_LAST/_AHEAD, time,
+# option index per block
 _State = Tuple[int, int, int, int, float, Tuple[int, ...]]
 
 
-def _grow(state: _State, option: ModeCost, k: int) -> _State:
-    """``state`` followed by a block run as ``option`` (its index ``k`` among the block's options)."""
-    prefix, transient, last, pending, seconds, picks = state
-    own = option.replay or option.kept  # live while its backward runs: an off block holds what it keeps
-    if option.mode == "offload":
-        # its backward prefetches the last offloaded block: every moment since that one carries its interior
-        if option.replay or last:
-            transient = max(transient, pending, prefix + own + last)
-        last, pending = option.replay, transient
-    else:
-        if option.replay:
-            transient = max(transient, prefix + option.replay)
-        pending = max(pending, transient, prefix + own + last) if last else transient
-    return prefix + option.kept, transient, last, pending, seconds + option.seconds, picks + (k,)
+def _grow(state: _State, option: ModeCost, k: int) -> List[_State]:
+    """The states ``state`` leads to when the next block runs as ``option`` (its index ``k`` among the block's
+    options): an offloaded block branches on whether another offloaded block follows it."""
+    prefix, transient, ahead, stage, seconds, picks = state
+    offloads = option.mode == "offload"
+    if offloads and stage == _LAST:
+        return []
+    if option.replay or ahead:  # live while its backward runs: an off block holds what it keeps
+        transient = max(transient, prefix + (option.replay or option.kept) + ahead)
+    prefix, seconds, picks = prefix + option.kept, seconds + option.seconds, picks + (k,)
+    if not offloads:
+        return [(prefix, transient, ahead, stage, seconds, picks)]
+    return [(prefix, transient, 0, _LAST, seconds, picks), (prefix, transient, option.replay, _AHEAD, seconds, picks)]
 
 
 def _frontier(options: Sequence[Sequence[ModeCost]], limit: Optional[int], base: Base, max_states: int
               ) -> List[_State]:
-    states: List[_State] = [(0, 0, 0, 0, 0.0, ())]
+    states: List[_State] = [(0, 0, 0, _OPEN, 0.0, ())]
     for block in options:
-        grown = [_grow(state, option, k) for state in states for k, option in enumerate(block)]
+        grown = [new for state in states for k, option in enumerate(block) for new in _grow(state, option, k)]
         if limit is not None:  # kept bytes and the worst moment only grow: a state over the limit stays over it
             grown = [s for s in grown if _peak(s[0], s[1], base) <= limit]
         states = _pareto(grown)[:max_states]
         if not states:
             return []
-    return states
+    return [s for s in states if s[3] != _AHEAD]  # a promised offloaded block that never came: no plan
 
 
 def smallest_budget(costs: Sequence[BlockCost], base: Base = 0, modes: Sequence[str] = SOLVER_MODES,
@@ -288,7 +294,7 @@ def plan_budget(costs: Sequence[BlockCost], budget: int, base: Base = 0, modes: 
         if peak <= budget:
             picks = tuple([o.mode for o in opts].index(m) for m, opts in zip(plan, options))
             seconds = sum(options[i][k].seconds for i, k in enumerate(picks))
-            states.append((peak - _bases(base)[0], 0, 0, 0, seconds, picks))
+            states.append((peak - _bases(base)[0], 0, 0, _LAST, seconds, picks))
     if not states:
         if strict:
             raise ValueError(f"budget {format_bytes(budget)} cannot be met: the smallest feasible activation budget "
@@ -305,14 +311,52 @@ def plan_budget(costs: Sequence[BlockCost], budget: int, base: Base = 0, modes: 
 
 
 def _pareto(states: List[_State]) -> List[_State]:
-    """The states no other state beats on bytes kept, worst moment, last offloaded interior, pending moment and
-    time (all four byte figures only raise the final peak), fastest first."""
+    """The states no other state beats, fastest first. A state beats another when it is as fast, keeps no more
+    bytes, has no worse moment and leaves at least the same plans open for no more bytes: a state with no block
+    offloaded beats any; one whose last offloaded block is behind it beats only its like; one with an offloaded
+    block to come beats only its like prefetching at most as many bytes."""
     kept: List[_State] = []
-    for state in sorted(states, key=lambda s: (s[4], s[0], s[1], s[2], s[3])):
-        prefix, transient, last, pending = state[:4]
-        if not any(k[0] <= prefix and k[1] <= transient and k[2] <= last and k[3] <= pending for k in kept):
-            kept.append(state)
+    open_, last = _Staircase(), _Staircase()
+    ahead: Dict[int, _Staircase] = {}  # by the bytes prefetched
+    for state in sorted(states, key=lambda s: (s[4], s[0], s[1], s[3], s[2])):  # every rival seen is as fast
+        prefix, transient, prefetched, stage = state[:4]
+        if open_.beats(prefix, transient):
+            continue
+        if stage == _OPEN:
+            open_.add(prefix, transient)
+        elif stage == _LAST:
+            if last.beats(prefix, transient):
+                continue
+            last.add(prefix, transient)
+        else:
+            if any(rivals.beats(prefix, transient) for bytes_, rivals in ahead.items() if bytes_ <= prefetched):
+                continue
+            ahead.setdefault(prefetched, _Staircase()).add(prefix, transient)
+        kept.append(state)
     return kept
+
+
+class _Staircase:
+    """Points (bytes kept, worst moment) none of which another beats, kept bytes rising and moments falling, so
+    that whether a point added so far beats a new one is one binary search (the frontier runs to thousands)."""
+
+    def __init__(self) -> None:
+        self.prefixes: List[int] = []
+        self.transients: List[int] = []
+
+    def beats(self, prefix: int, transient: int) -> bool:
+        """Whether a point added has both figures at most these."""
+        i = bisect.bisect_right(self.prefixes, prefix)
+        return i > 0 and self.transients[i - 1] <= transient
+
+    def add(self, prefix: int, transient: int) -> None:
+        """Add a point no point added beats; those it beats leave the staircase."""
+        start = bisect.bisect_left(self.prefixes, prefix)
+        end = start
+        while end < len(self.transients) and self.transients[end] >= transient:
+            end += 1
+        self.prefixes[start:end] = [prefix]
+        self.transients[start:end] = [transient]
 
 
 class BudgetCalibration:

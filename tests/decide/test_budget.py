@@ -243,7 +243,7 @@ def test_a_plan_that_fits_only_without_the_prefetch_is_not_chosen():
 @pytest.mark.parametrize("seed", range(8))
 def test_the_solver_is_exact_with_several_offloaded_blocks_between_other_modes(seed):
     """Brute force over every plan of 6 blocks where offload is cheap, so the best plans offload several blocks
-    apart: the dynamic programme's extra state (the last offloaded interior, the worst moment since it) is exact."""
+    apart: the dynamic programme's branch at each offloaded block (another one follows, or none) is exact."""
     import random
 
     rng = random.Random(100 + seed)
