@@ -254,41 +254,32 @@ def _sync(ctx: Context) -> None:
         torch.cuda.synchronize()
 
 
-def _reset_peak(ctx: Context) -> None:
+def _reset_peak(ctx: Context, empty_cache: bool = False) -> None:
+    """Reset the allocator's peaks; with ``empty_cache`` also return its cached blocks first, so that the next
+    reserved peak is the next step's own."""
     import torch
 
     if ctx.cuda:
+        if empty_cache:
+            gc.collect()
         torch.cuda.synchronize()
+        if empty_cache:
+            torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
 
 def _peak(ctx: Context) -> int:
+    return _peaks(ctx)[0]
+
+
+def _peaks(ctx: Context) -> tuple:
+    """The allocator's (allocated, reserved) peaks since the last reset, once the device is done."""
     import torch
 
     if not ctx.cuda:
-        return 0
+        return 0, 0
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
-
-
-def _peak_reserved(ctx: Context) -> int:
-    import torch
-
-    if not ctx.cuda:
-        return 0
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_reserved()
-
-
-def _fresh_peaks(ctx: Context) -> None:
-    """Return the allocator's cached blocks and reset its peaks, so the next reserved peak is this step's own."""
-    import torch
-
-    if ctx.cuda:
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
 
 def _allocated(ctx: Context) -> int:
@@ -530,9 +521,9 @@ def part_offload(ctx: Context) -> None:
     idx = _tokens(ctx, model, 8, 1024)
     plan = apply_policy(model, "none")
     _offload_step(model, idx)
-    _fresh_peaks(ctx)
+    _reset_peak(ctx, empty_cache=True)
     off = _offload_step(model, idx)
-    peak_off, reserved_off = _peak(ctx), _peak_reserved(ctx)
+    peak_off, reserved_off = _peaks(ctx)
 
     base = CudaTransfers if ctx.cuda else Transfers
 
@@ -551,9 +542,9 @@ def part_offload(ctx: Context) -> None:
     transfers = Recording()
     state = configure_offload(plan, transfers=transfers)
     _offload_step(model, idx)  # the arena is allocated in the first offloaded step
-    _fresh_peaks(ctx)
+    _reset_peak(ctx, empty_cache=True)
     offloaded = _offload_step(model, idx)
-    peak_offload, reserved_offload = _peak(ctx), _peak_reserved(ctx)
+    peak_offload, reserved_offload = _peaks(ctx)
     per_step = state.bytes_out // 2  # two offloaded steps so far (read before the profiled step adds a third)
     params = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     ctx.check("offload gradients bitwise equal to off", _bitwise(off, offloaded), max_abs_diff=_max_diff(off,

@@ -169,9 +169,9 @@ def _storage_keys(tensors: Iterable[torch.Tensor]) -> set:
     return {storage_key(st) for t in tensors for st in storages(t)}
 
 
-def _storage_sizes(tensors: Iterable[torch.Tensor]) -> Iterator[Tuple[int, int]]:
-    """``(key, bytes)`` of each storage behind ``tensors``, once."""
-    seen = set()
+def _storage_sizes(tensors: Iterable[torch.Tensor], seen: Optional[set] = None) -> Iterator[Tuple[int, int]]:
+    """``(key, bytes)`` of each storage behind ``tensors``, once (not again if in ``seen``, which it fills)."""
+    seen = set() if seen is None else seen
     for t in tensors:
         for st in storages(t):
             key = storage_key(st)
@@ -537,17 +537,17 @@ class StepMeter:
         line is logged, they are the constant bands the timeline stacks its step on."""
         params = _storage_keys(self._model.parameters())
         grads = _storage_keys(p.grad for p in self._model.parameters() if p.grad is not None)
-        inputs = _storage_keys(batch) - _storage_keys(state)
         log = None if _has_allocator_counters(self.device) else self._logs[1]
         base: Dict[str, int] = {}
-        here = (t for t in (*state, *batch) if isinstance(t, torch.Tensor) and t.device == self.device)
-        for key, nbytes in _storage_sizes(here):
-            line = ("parameters" if key in params else "gradients" if key in grads else
-                    "temporaries" if key in inputs else "optimizer state")
-            if log is not None:
-                log.adopt(key, nbytes, line)
-            else:
-                base[line] = base.get(line, 0) + nbytes
+        seen: set = set()  # a storage of the state and the batch both is the state's
+        for tensors, rest in ((state, "optimizer state"), (batch, "temporaries")):
+            here = (t for t in tensors if isinstance(t, torch.Tensor) and t.device == self.device)
+            for key, nbytes in _storage_sizes(here, seen):
+                line = "parameters" if key in params else "gradients" if key in grads else rest
+                if log is not None:
+                    log.adopt(key, nbytes, line)
+                else:
+                    base[line] = base.get(line, 0) + nbytes
         return base
 
     def _timeline(self) -> Timeline:
