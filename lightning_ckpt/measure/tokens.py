@@ -5,8 +5,9 @@ The rule for tokens: a batch has tokens only when it carries **token ids** or an
 - Token ids are an integer tensor of exactly two dimensions, ``[batch, sequence]``: in a mapping the value of
   ``input_ids`` (or ``tokens``, ``idx``, ``input``), else any other 2-D integer value (``labels`` of a captioning
   batch); in a tuple or list the first 2-D integer tensor, depth first; or the batch itself.
-- An attention mask is a mapping's 2-D ``attention_mask`` (integer or bool): its non-zero entries are the tokens
-  (padding left out), and it takes precedence over the ids' size.
+- An attention mask is a mapping's 2-D ``attention_mask`` (integer or bool), at any depth of the batch (the first
+  found, depth first: ``({"input_ids": ..., "attention_mask": ...}, labels)`` has one): its non-zero entries are the
+  tokens (padding left out), and it takes precedence over the ids' size.
 - Anything else has no sequence dimension and so no tokens: a float image batch ``[B, C, H, W]`` (its ``shape[1]``
   is channels, not positions), a float waveform or embeddings, a 1-D integer tensor (class labels), a 3-D integer
   tensor (segmentation masks). Such steps log ``samples/s`` and no ``tokens/s``; pass ``tokens_fn`` to count
@@ -46,11 +47,18 @@ def _is_token_ids(t: Any) -> bool:
 
 
 def _mask(batch: Any) -> Optional[torch.Tensor]:
+    """The first 2-D ``attention_mask`` of a mapping in the batch, depth first (a nested ``(inputs, labels)`` one
+    too), or ``None``."""
     if isinstance(batch, Mapping):
         mask = batch.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             return mask
-    return None
+        items = batch.values()
+    elif isinstance(batch, (tuple, list)):
+        items = batch
+    else:
+        return None
+    return next((m for m in map(_mask, items) if m is not None), None)
 
 
 def _token_ids(batch: Any) -> Optional[torch.Tensor]:
@@ -84,7 +92,7 @@ def count_tokens(batch: Any, tokens_fn: Optional[Callable[[Any], Any]] = None) -
     """Tokens in a batch by the module's rule, never synchronizing the device.
 
     - ``tokens_fn(batch)`` when given (its result is returned as is, or as ``int`` if it is a Python number);
-    - a mapping with a 2-D ``attention_mask``: its non-zero entries (non-padding tokens);
+    - a 2-D ``attention_mask`` in a mapping, at any depth: its non-zero entries (non-padding tokens);
     - token ids (a 2-D integer tensor): their ``numel``;
     - ``None`` for a batch without a sequence dimension (images, waveforms, embeddings): it has samples, no tokens.
 

@@ -64,3 +64,15 @@ def test_a_cuda_mask_is_counted_on_the_device_without_a_sync():
     assert isinstance(tokens, torch.Tensor) and tokens.device.type == "cuda" and int(tokens) == 15
     assert count_tokens((torch.randn(4, 3, 8, 8, device="cuda"), torch.zeros(4, dtype=torch.long,
                                                                              device="cuda"))) is None
+
+
+def test_a_mask_nested_in_the_batch_counts_the_non_padding_tokens():
+    """``({"input_ids", "attention_mask"}, labels)``: the nested mask's non-zero entries are the tokens (the old code
+    counted the ids' size, 15 here, reading tokens/s 67 % high)."""
+    inputs = {"input_ids": IDS, "attention_mask": MASK}
+    assert count_tokens((inputs, IDS)) == int(MASK.sum()) == 9
+    assert count_tokens([{"inputs": inputs}, IDS]) == 9  # deeper still
+    assert count_tokens((UserDict(input_ids=IDS, attention_mask=MASK.bool()), IDS)) == 9
+    assert count_tokens(({"input_ids": IDS, "attention_mask": MASK[:, None, None, :]}, IDS)) == 15  # 4-D: ids
+    assert count_samples((inputs, IDS)) == 3
+    assert sequence_length(({"inputs_embeds": torch.randn(3, 4, 8), "attention_mask": MASK[:, :4]}, None)) == 4
