@@ -13,6 +13,13 @@ Rules:
 - Every switch starts a dwell of ``cooldown`` steps before the next *down* move, so an oscillating reading
   causes at most one down-switch per ``cooldown`` steps, and an up-switch cannot be followed by a down-switch
   sooner than that either.
+- A rung that ran out of memory (:meth:`Controller.out_of_memory`, told by the escalation that moved the plan up)
+  is marked with the first reading after the retry, on the rung the retry ran. The controller does not move down
+  into it again until a reading predicts it at most ``release`` × what it was when it failed: the threshold says
+  nothing about the device's capacity, so without the mark a calm run walked back into the same error every
+  ``cooldown`` steps.
+- Ratios are learnt only between neighbouring rungs, from a reading before and after the controller's own move; an
+  escalation drops the pending reading (its step was not the pair's).
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ class Controller:
     switches: int = 0
     # reading observed at rung i just before/after a move between rungs i and i+1: (lower, upper)
     pair_ratio: Dict[int, float] = field(default_factory=dict)
+    # rung that ran out of memory -> (rung the retry ran, its first reading there); None until that reading comes
+    oom_marks: Dict[int, Optional[Tuple[int, float]]] = field(default_factory=dict)
     _last: Optional[Tuple[int, float]] = None
 
     def __post_init__(self) -> None:
@@ -108,20 +117,25 @@ class Controller:
         if not isinstance(reading, (int, float)) or isinstance(reading, bool) or math.isnan(reading) or reading < 0:
             raise ValueError(f"reading={reading!r} must be a non-negative number of bytes.")
         self._learn_ratio(reading)
+        self._take_marks(reading)
         self.since_switch += 1
         if reading > self.threshold:
             self.calm_steps = 0
             if self.level + 1 < len(self.ladder):
                 return self._move(+1, reading, f"activation peak {format_bytes(reading)} > threshold "
                                               f"{format_bytes(self.threshold)}")
-            return self._stay(f"above threshold at the top rung {self.policy!r}")
+            return self._stay(f"above the threshold with the ladder's last policy {self.policy!r}")
         predicted = self.predict_lower(reading)
-        if predicted is not None and predicted < self.release_bytes:
+        blocked = self._failed_below(reading)
+        if predicted is not None and predicted < self.release_bytes and blocked is None:
             self.calm_steps += 1
         else:
             self.calm_steps = 0
+        if blocked is not None:
+            return self._stay(blocked)
         if self.calm_steps >= self.cooldown and self.since_switch >= self.cooldown:
-            return self._move(-1, reading, f"predicted {format_bytes(predicted)} one rung lower stayed under the "
+            lighter = self.ladder[self.level - 1]
+            return self._move(-1, reading, f"predicted {format_bytes(predicted)} under {lighter!r} stayed under the "
                                            f"release level {format_bytes(self.release_bytes)} for "
                                            f"{self.calm_steps} steps")
         return self._stay("within limits")
@@ -132,12 +146,45 @@ class Controller:
             return None
         return reading * self.pair_ratio.get(self.level - 1, 1.0)
 
+    def out_of_memory(self, failed: int) -> None:
+        """Rung ``failed`` ran out of memory and the plan was moved up (the caller set :attr:`level`): mark it with
+        the next reading, and forget the pending reading of the last move (the step it would pair with is not)."""
+        if not 0 <= failed < len(self.ladder):
+            raise ValueError(f"failed={failed!r} is not a rung of the ladder {list(self.ladder)}.")
+        self.oom_marks[failed] = None
+        self._last = None
+
+    def _take_marks(self, reading: float) -> None:
+        for failed, mark in self.oom_marks.items():
+            if mark is None:
+                self.oom_marks[failed] = (self.level, float(reading))
+
+    def _at(self, reading: float, level: int, lower: int) -> float:
+        """A reading at ``level`` as predicted at the lower rung ``lower`` (the learnt ratios; 1 where unknown)."""
+        return reading * math.prod(self.pair_ratio.get(i, 1.0) for i in range(lower, level))
+
+    def _failed_below(self, reading: float) -> Optional[str]:
+        """Why the rung below may not be taken: it ran out of memory and this reading does not show the room, with
+        the ``release`` margin, that the failed step lacked; ``None`` when it may."""
+        below = self.level - 1
+        mark = self.oom_marks.get(below)
+        if below < 0 or below not in self.oom_marks:
+            return None
+        if mark is None:  # no reading since the failure yet: this one is the mark
+            return f"policy {self.ladder[below]!r} ran out of memory; staying on {self.policy!r}"
+        level, failed_reading = mark
+        now, then = self._at(reading, self.level, below), self._at(failed_reading, level, below)
+        if now < self.release * then:
+            return None
+        return (f"policy {self.ladder[below]!r} ran out of memory on a step that read {format_bytes(failed_reading)} "
+                f"here; staying on {self.policy!r} until a step reads under {self.release:.0%} of that")
+
     def _learn_ratio(self, reading: float) -> None:
         if self._last is None:
             return
         old_level, old_reading = self._last
         self._last = None
-        if reading <= 0 or old_reading <= 0:
+        if reading <= 0 or old_reading <= 0 or abs(old_level - self.level) != 1:  # a pair of neighbours only
             return
         low, high = sorted((old_level, self.level))
         lower, upper = (old_reading, reading) if old_level < self.level else (reading, old_reading)
@@ -165,6 +212,8 @@ class Controller:
             "since_switch": self.since_switch,
             "switches": self.switches,
             "pair_ratio": {str(k): float(v) for k, v in self.pair_ratio.items()},
+            "pending": None if self._last is None else [self._last[0], float(self._last[1])],
+            "out_of_memory": {str(k): None if v is None else [v[0], float(v[1])] for k, v in self.oom_marks.items()},
         }
 
     def load_state_dict(self, state: Dict[str, object]) -> List[str]:
@@ -179,4 +228,10 @@ class Controller:
         self.since_switch = int(state.get("since_switch", 0))
         self.switches = int(state.get("switches", 0))
         self.pair_ratio = {int(k): float(v) for k, v in dict(state.get("pair_ratio", {})).items()}
+        if notes:  # rung indices of another ladder: its pending reading and marks say nothing of this one's
+            return notes
+        pending = state.get("pending")
+        self._last = None if pending is None else (int(pending[0]), float(pending[1]))
+        self.oom_marks = {int(k): None if v is None else (int(v[0]), float(v[1]))
+                          for k, v in dict(state.get("out_of_memory", {})).items()}
         return notes
