@@ -30,13 +30,14 @@ __all__ = ["TENSORBOARD_LAYOUT", "block_metrics", "log_metrics", "reduce_across_
 
 
 def tensorboard_layout(prefix: str) -> Dict[str, Dict[str, List[Any]]]:
-    """The custom-scalars layout: the ledger lines in one "Memory" chart beside "Throughput", "Phases" (the peak of
-    the forward, the backward and the optimizer step) and "Checkpointing" (with a budget plan's bytes kept and
-    replayed per block)."""
+    """The custom-scalars layout: the ledger lines in one "Memory" chart (the master copies, part of the optimizer
+    line, drawn beside it) beside "Throughput", "Phases" (the peak of the forward, the backward and the optimizer
+    step) and "Checkpointing" (with a budget plan's bytes kept and replayed per block). Every key a step logs is
+    charted somewhere."""
     root = f"{prefix}/" if prefix else ""
     memory = [f"{root}memory/{k}_gib" for k in
               ("peak_allocated", "peak_reserved", "activations", "autocast_copies", "params", "grads", "optimizer",
-               "other", "cache")]
+               "optimizer_master", "other", "cache")]
     return {
         "Memory": {"ledger (GiB)": ["Multiline", memory]},
         "Throughput": {"tokens/s": ["Multiline", [f"{root}throughput/tokens_per_sec"]],

@@ -147,6 +147,7 @@ def test_custom_scalars_layout_puts_the_ledger_in_one_memory_chart(tmp_path):
             "params",
             "grads",
             "optimizer",
+            "optimizer_master",
             "activations",
             "autocast_copies",
             "peak_allocated",
@@ -310,3 +311,28 @@ def test_a_tensorboard_server_serves_the_activation_curve_and_the_layout(tmp_pat
     assert {"memory/activations_gib", "memory/params_gib", "memory/grads_gib", "memory/optimizer_gib"} <= set(
         memory_tags
     )
+
+
+def test_every_line_the_callback_can_log_is_charted_by_the_layout():
+    """Every key a step can log — each ledger line filled (master copies and phase peaks included), the throughput
+    and time lines, the level, a budget plan's per-block lines — matches a tag of some chart, with and without a
+    prefix (``memory/optimizer_master_gib`` was logged and charted nowhere)."""
+    from types import SimpleNamespace
+
+    from lightning_ckpt.lightning.metrics import block_metrics, tensorboard_layout
+    from lightning_ckpt.measure.ledger import Ledger
+    from lightning_ckpt.measure.monitor import StepResult
+
+    ledger = Ledger(params=1, grads=2, optimizer=3, master=1, activations=4, autocast_copies=5, peak_allocated=6,
+                    peak_reserved=7, other=8, cache=9, phase_peaks={"forward": 1, "backward": 2, "optimizer": 3})
+    choice = SimpleNamespace(kept=1, replay=2)
+    plan = SimpleNamespace(choices=[(choice, None)] * 12)
+    for prefix in ("", "ac"):
+        root = f"{prefix}/" if prefix else ""
+        logged = {**StepResult(None, ledger, 10, 2, 0.5, 3).metrics(prefix), f"{root}checkpointing/level": 1.0,
+                  **block_metrics(plan, prefix)}
+        assert f"{root}memory/optimizer_master_gib" in logged
+        charted = [t for category in tensorboard_layout(prefix).values() for _, tags in category.values()
+                   for t in tags]
+        missing = [tag for tag in logged if not any(re.fullmatch(pattern, tag) for pattern in charted)]
+        assert not missing, missing
