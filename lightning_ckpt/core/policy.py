@@ -268,10 +268,19 @@ class GroupPolicy(Policy):
             return max(1, math.ceil(math.sqrt(num_blocks)))
         return int(self.k)
 
-    def layout(self, num_blocks: int) -> Layout:
-        k = self.size(num_blocks)
-        groups = tuple((s, min(s + k, num_blocks)) for s in range(0, num_blocks, k) if min(s + k, num_blocks) - s > 1)
-        return Layout(("recompute",) * num_blocks, groups)
+    def layout(self, num_blocks: int, stacks: Sequence[int] = ()) -> Layout:
+        """Regions of K blocks within each stack: ``stacks`` gives the lengths of the runs of blocks that share a
+        parent (an encoder's, then a decoder's); a region never spans two. ``group:sqrt`` takes ⌈√L⌉ of each
+        stack's own length L. Empty: one stack of ``num_blocks``."""
+        stacks = tuple(stacks) or (num_blocks,)
+        if sum(stacks) != num_blocks:
+            raise ValueError(f"stacks {stacks} do not add up to {num_blocks} blocks.")
+        groups, start = [], 0
+        for length in stacks:
+            k, stop = self.size(length), start + length
+            groups.extend((s, min(s + k, stop)) for s in range(start, stop, k) if min(s + k, stop) - s > 1)
+            start = stop
+        return Layout(("recompute",) * num_blocks, tuple(groups))
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,23 @@
 """``group:K`` regions: consecutive blocks replayed in backward as one checkpointed region.
 
-The region opens when its first block is called and closes after its last block returns; in backward the blocks
-are replayed back to back. Block inputs that are exactly the previous block's outputs are recomputed; every other
-input (masks, position tensors, or a hidden state the parent changed between blocks) is kept as it was. Tensors
-saved by the parent's own code between two blocks are stored normally, outside the region.
+A region is replayed as its blocks back to back, from the random-number state it had when its first block was
+called. That equals the forward only when nothing of the parent's that the replay skips changed what the blocks
+see, so the blocks of one forward pass join a region only while they are *provably* back to back, checked when each
+block is called:
+
+- blocks called in the region's order, each pass (a stack looped twice, two forwards before one backward, a block
+  reused) replaying its own record of the calls;
+- no random numbers drawn by the parent since the previous block returned (dropout after each block, Hugging
+  Face's LayerDrop): the CPU generator and the generators the region restores are compared;
+- the previous block's outputs not changed in place by the parent (their version counters), and recognised by
+  identity while a reference is held (``id()`` alone is recycled by Python);
+- the saved-tensor hooks as they were: between two blocks the region's own hooks are taken off, so the parent's
+  saves go through the user's hooks (``save_on_cpu``) exactly as without checkpointing.
+
+When a check fails the region is closed before that block, which starts a new region of the remaining blocks:
+the gradients stay those of the plain model, the memory saved is less, and one warning per plan says why.
+Tensors a later block receives that are not the previous block's outputs are kept as they were; one changed in place
+before backward is refused when the region is replayed, as PyTorch refuses a modified saved tensor.
 
 Lightning's torch private API: a non-reentrant checkpoint frame is opened around code we do not call ourselves
 (``_checkpoint_without_reentrant_generator``), so the region spans several ``Module.__call__`` of the parent.
@@ -25,6 +39,8 @@ from lightning_ckpt.core.replay import notify_replay, replay_hooks_active
 
 __all__ = ["GroupRegion"]
 
+_hooks = torch._C._autograd
+
 
 class _FromPrevious:
     """Placeholder for an input that is output leaf ``i`` of the previous block in the region."""
@@ -33,17 +49,6 @@ class _FromPrevious:
 
     def __init__(self, i: int) -> None:
         self.i = i
-
-
-class _PassThrough(torch.autograd.graph.saved_tensors_hooks):
-    """Saves tensors normally; pushed between two blocks so the parent's own saves escape the region."""
-
-    def __init__(self) -> None:
-        super().__init__(_identity, _identity)
-
-
-def _identity(x):
-    return x
 
 
 def _frame_generator(fn, args, kwargs, options: Any):
@@ -69,73 +74,171 @@ def _frame_generator(fn, args, kwargs, options: Any):
     return legacy(*positional, *args, **kwargs)
 
 
-class GroupRegion:
-    """Consecutive blocks replayed as one checkpointed region (``group:K``)."""
+def _rng_devices(args, kwargs) -> Tuple[str, List[int]]:
+    """The device type and devices whose generators the frame restores (those of the first block's tensors, as
+    ``checkpoint`` infers them; read here without calling it, so each frame is inferred once)."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    accelerated = [t for t in tensors if t.device.type not in ("cpu", "meta")]
+    if not accelerated:
+        return "cpu", []
+    device_type = accelerated[0].device.type
+    module = _cp._get_device_module(device_type)
+    if not getattr(module, "_initialized", False):
+        return device_type, []
+    return device_type, sorted({t.get_device() for t in accelerated if t.device.type == device_type})
 
-    def __init__(self, members: List[Any], anchor: nn.Module) -> None:
+
+def _rng_snapshot(device_type: str, devices: List[int]) -> List[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if devices:
+        module = _cp._get_device_module(device_type)
+        states.extend(module.get_rng_state(d) for d in devices)
+    return states
+
+
+def _same_hooks(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a[0] is b[0] and a[1] is b[1]
+
+
+class _Span:
+    """The replay owner of part of a region (a region split by the parent's work); ``members`` as on the region."""
+
+    def __init__(self, members: List[Any]) -> None:
         self.members = members
-        self.anchor = anchor  # closest called ancestor; its forward hook closes a region left open
-        self._reset()
-        anchor.register_forward_hook(self._close_if_open, always_call=True)
 
-    def _reset(self) -> None:
-        self.gen = None
-        self.records: List[Tuple[Any, Any, Any]] = []
-        self.next = 0
-        self.prev_leaves: Dict[int, int] = {}
-        self.between: Optional[_PassThrough] = None
 
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state.update(gen=None, records=[], next=0, prev_leaves={}, between=None)
-        return state
+class _Pass:
+    """One run of consecutive blocks of a region under one checkpoint frame, with its own record of the calls.
 
-    def call(self, member: Any, args, kwargs):
-        if member is self.members[0]:
-            self._close(warn=self.gen is not None)
-            return self._open(member, args, kwargs)
-        if self.gen is None or member is not self.members[self.next]:
-            self._close(warn=self.gen is not None)
-            fn, inputs = keywords_as_positional(member.run, args, kwargs)
-            return _cp.checkpoint(fn, *inputs, **member.shared.checkpoint_kwargs("recompute"))
-        self.between.__exit__(None, None, None)
-        self.between = None
-        self.records.append((member, *self._template(args, kwargs)))
-        return self._step(member, args, kwargs)
+    Between two blocks (the *gap*) the frame's saved-tensor hooks are off the stack, and what the next block must
+    find unchanged is held: the previous outputs with their versions and the random-number state.
+    """
 
-    def _open(self, first: Any, args, kwargs):
-        self.records = [(first, None, None)]
-        self.gen = _frame_generator(self._replay, args, kwargs, first.shared.options)
+    def __init__(self, region: "GroupRegion", start: int, args, kwargs) -> None:
+        self.region = region
+        self.start = start
+        self.next = start
+        first = region.members[start]
+        self.options = first.shared.options
+        self.records: List[Tuple[Any, Any, Any]] = [(first, None, None)]
+        self.held: List[Tuple[torch.Tensor, int]] = []  # inputs kept as they were, with their versions
+        self.prev: Dict[int, Tuple[int, torch.Tensor, int]] = {}  # id -> (leaf index, tensor, version)
+        self.rng: Optional[List[torch.Tensor]] = None
+        self.devices = _rng_devices(args, kwargs) if self.options.preserve_rng_state else ("cpu", [])
+        self.frame_hooks = None
+        self.gap_hooks = None
+        self.in_gap = False
+        below = _hooks._top_saved_tensors_default_hooks(False)
+        self.gen = _frame_generator(self.replay, args, kwargs, self.options)
         next(self.gen)
-        self.next = 0
-        return self._step(first, args, kwargs)
+        top = _hooks._top_saved_tensors_default_hooks(False)
+        self.frame_hooks = None if _same_hooks(top, below) else top
 
-    def _step(self, member: Any, args, kwargs):
+    # -- forward
+    def step(self, member: Any, args, kwargs):
+        """Run ``member`` inside the frame; after it, open the gap (or finish after the region's last block)."""
         try:
             out = member.run(*args, **kwargs)
         except BaseException as err:
-            self._abort(err)
+            self.abort(err)
             raise
         self.next += 1
-        if self.next == len(self.members):
-            self._finish()
-        else:
-            leaves, _ = tree_flatten(out)
-            self.prev_leaves = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
-            self.between = _PassThrough()
-            self.between.__enter__()
+        if self.next == len(self.region.members):
+            self.finish()
+            return out
+        self._open_gap(out)
         return out
 
-    def _template(self, args, kwargs):
+    def _open_gap(self, out) -> None:
+        leaves, _ = tree_flatten(out)
+        self.prev = {id(t): (i, t, t._version) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
+        if self.options.preserve_rng_state:
+            self.rng = _rng_snapshot(*self.devices)
+        top = _hooks._top_saved_tensors_default_hooks(False)
+        if self.frame_hooks is not None:
+            if not _same_hooks(top, self.frame_hooks):  # the block left hooks of its own behind: stop here
+                self.finish()
+                return
+            _hooks._pop_saved_tensors_default_hooks()  # the parent's own saves go where they would go unwrapped
+        self.gap_hooks = _hooks._top_saved_tensors_default_hooks(False)
+        self.in_gap = True
+
+    def why_not(self, member: Any) -> Optional[str]:
+        """Why ``member`` cannot join this pass now (``None`` when it can)."""
+        if member is not self.region.members[self.next]:
+            return "its blocks were not called back to back in order"
+        if not _same_hooks(_hooks._top_saved_tensors_default_hooks(False), self.gap_hooks):
+            return "the saved-tensor hooks changed between its blocks"
+        if self.rng is not None:
+            now = _rng_snapshot(*self.devices)
+            if len(now) != len(self.rng) or not all(torch.equal(a, b) for a, b in zip(now, self.rng)):
+                return "the model draws random numbers between its blocks (dropout or LayerDrop outside the blocks)"
+        if any(t._version != v for _, t, v in self.prev.values()):
+            return "the model changes a block's output in place between its blocks"
+        return None
+
+    def join(self, member: Any, args, kwargs):
+        """Close the gap and run ``member`` as the next block of this pass."""
+        self._close_gap()
+        self.records.append((member, self._template(args), self._template(kwargs)))
+        self.prev = {}
+        return self.step(member, args, kwargs)
+
+    def _template(self, tree):
         def mark(x):
-            i = self.prev_leaves.get(id(x)) if isinstance(x, torch.Tensor) else None
-            return x if i is None else _FromPrevious(i)
+            if not isinstance(x, torch.Tensor):
+                return x
+            entry = self.prev.get(id(x))
+            if entry is not None and entry[1] is x:
+                return _FromPrevious(entry[0])
+            self.held.append((x, x._version))
+            return x
 
-        return tree_map(mark, args), tree_map(mark, kwargs)
+        return tree_map(mark, tree)
 
-    def _replay(self, *first_args, **first_kwargs):
+    def _close_gap(self) -> None:
+        if self.in_gap and self.frame_hooks is not None:
+            _hooks._push_saved_tensors_default_hooks(*self.frame_hooks)
+        self.in_gap = False
+        self.rng = None
+
+    def finish(self) -> None:
+        """Close the frame: the recorded blocks are replayed together in backward."""
+        self._close_gap()
+        self.prev = {}
+        gen, self.gen = self.gen, None
+        if self.region.open is self:
+            self.region.open = None
+        try:
+            next(gen)
+        except StopIteration:
+            pass
+
+    def abort(self, err: BaseException) -> None:
+        self._close_gap()
+        gen, self.gen = self.gen, None
+        if self.region.open is self:
+            self.region.open = None
+        try:
+            gen.throw(err)
+        except BaseException:
+            pass
+
+    # -- backward
+    def replay(self, *first_args, **first_kwargs):
+        for tensor, version in self.held:
+            if tensor._version != version:
+                names = [m.name for m, _, _ in self.records]
+                raise RuntimeError(
+                    f"lightning_ckpt: do not change a tensor in place after passing it to a block, or use 'all' "
+                    f"instead of 'group:K': an input of the region {names[0]}…{names[-1]} was modified after the "
+                    "forward (version {} now, {} then), so its blocks cannot be replayed.".format(
+                        tensor._version, version))
+        owner = self.region.span(self.start, self.start + len(self.records))
         if replay_hooks_active():
-            return notify_replay(self, self._replay_members, first_args, first_kwargs)
+            return notify_replay(owner, self._replay_members, first_args, first_kwargs)
         return self._replay_members(*first_args, **first_kwargs)
 
     def _replay_members(self, *first_args, **first_kwargs):
@@ -145,54 +248,77 @@ class GroupRegion:
             fill = lambda x, leaves=leaves: leaves[x.i] if isinstance(x, _FromPrevious) else x  # noqa: E731
             out = member.run(*tree_map(fill, args), **tree_map(fill, kwargs))
 
-    def _finish(self) -> None:
-        gen, records = self.gen, self.records
-        self._reset()
-        self.records = records  # the replay closure reads them in backward
-        try:
-            next(gen)
-        except StopIteration:
-            pass
 
-    def _abort(self, err: BaseException) -> None:
-        if self.between is not None:
-            self.between.__exit__(None, None, None)
-        gen = self.gen
-        self._reset()
-        if gen is not None:
-            try:
-                gen.throw(err)
-            except BaseException:
-                pass
+class GroupRegion:
+    """Consecutive blocks replayed as one checkpointed region (``group:K``); see the module docstring."""
 
-    def _close(self, warn: bool) -> None:
-        if self.gen is None:
+    def __init__(self, members: List[Any], anchor: nn.Module) -> None:
+        self.members = members
+        self.anchor = anchor  # closest called ancestor; its forward hook closes a region left open
+        self.open: Optional[_Pass] = None
+        self._spans: Dict[Tuple[int, int], Any] = {}
+        anchor.register_forward_hook(self._close_if_open, always_call=True)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.update(open=None, _spans={})
+        return state
+
+    def span(self, start: int, stop: int) -> Any:
+        """The replay owner of members ``start:stop``: the region itself when whole, else a stable part."""
+        if (start, stop) == (0, len(self.members)):
+            return self
+        if (start, stop) not in self._spans:
+            self._spans[(start, stop)] = _Span(self.members[start:stop])
+        return self._spans[(start, stop)]
+
+    def call(self, member: Any, args, kwargs):
+        current = self.open
+        if current is not None:
+            reason = current.why_not(member)
+            if reason is None:
+                return current.join(member, args, kwargs)
+            self._close(reason)
+        start = self.members.index(member)
+        if start == len(self.members) - 1:  # a region of one block is that block checkpointed alone
+            fn, inputs = keywords_as_positional(member.run, args, kwargs)
+            return _cp.checkpoint(fn, *inputs, **member.shared.checkpoint_kwargs("recompute"))
+        self.open = _Pass(self, start, args, kwargs)
+        return self.open.step(member, args, kwargs)
+
+    def _close(self, reason: Optional[str]) -> None:
+        current = self.open
+        if current is None:
             return
-        if warn:
-            names = [m.name for m in self.members]
-            warnings.warn(
-                f"lightning_ckpt: group region {names[0]}…{names[-1]} was left open: its blocks were not "
-                f"called back to back in order ({len(self.members)} expected, {self.next} seen). The region "
-                "was closed early; if this repeats, use 'all' or 'every:N' instead of 'group:K'.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        if self.between is not None:
-            self.between.__exit__(None, None, None)
-            self.between = None
-        self._finish()
+        if reason is not None:
+            self._warn(reason)
+        current.finish()
+
+    def _warn(self, reason: str) -> None:
+        warned = self.members[0].shared.group_warnings
+        if reason in warned:
+            return
+        warned.add(reason)
+        from lightning_ckpt.core.wrap import _user_stacklevel  # wrap imports this module
+
+        names = [m.name for m in self.members]
+        warnings.warn(
+            f"lightning_ckpt: use 'all' or 'every:N' instead of 'group:K' for this model: in group region "
+            f"{names[0]}…{names[-1]} {reason}, so it was checkpointed in smaller regions (the gradients are "
+            "unchanged; less memory is saved).",
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
 
     def _close_if_open(self, module, args, output):
-        self._close(warn=True)
+        self._close("the region was left open: the forward returned before its last block")
 
     def detach(self) -> None:
-        self._close(warn=False)
-        for hooks in (self.anchor._forward_hooks, getattr(self.anchor, "_forward_hooks_always_called", {})):
-            for key in [k for k, h in hooks.items() if getattr(h, "__self__", None) is self]:
-                del hooks[key]
-
-
-
+        self._close(None)
+        always = getattr(self.anchor, "_forward_hooks_always_called", {})
+        for key in [k for k, h in self.anchor._forward_hooks.items() if getattr(h, "__self__", None) is self]:
+            del self.anchor._forward_hooks[key]
+            always.pop(key, None)
 
 
 # A region spans several calls of the parent's forward, which torch.compile cannot trace as one graph: under

@@ -47,7 +47,15 @@ from torch import nn
 
 from lightning_ckpt.core import offload
 from lightning_ckpt.core.blocks import BlockSelector, describe_blocks, find_blocks
-from lightning_ckpt.core.policy import COMPILER_MODE, MODES, Layout, ModesPolicy, Policy, parse_policy
+from lightning_ckpt.core.policy import (
+    COMPILER_MODE,
+    MODES,
+    GroupPolicy,
+    Layout,
+    ModesPolicy,
+    Policy,
+    parse_policy,
+)
 from lightning_ckpt.core.positional import keywords_as_positional
 from lightning_ckpt.core.regions import GroupRegion
 from lightning_ckpt.core.replay import observed, replay_hooks_active
@@ -93,9 +101,22 @@ class _Shared:
 
     def __init__(self, options: CheckpointOptions) -> None:
         self.options = options
+        self.group_warnings: set = set()  # reasons a group region was split, each warned once per plan
         self.set_save_ops(())
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # op overloads do not pickle: the save list travels by name and is resolved again on load
+        state = {k: v for k, v in self.__dict__.items() if k not in ("save_ops", "sac_policy", "_selective")}
+        state["save_op_names"] = self.save_op_names
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        names = state.pop("save_op_names", ())
+        self.__dict__.update(state)
+        self.set_save_ops(names)
+
     def set_save_ops(self, names: Sequence[str]) -> None:
+        self.save_op_names = tuple(names)
         packets = [getattr(torch.ops.aten, n) for n in names]
         self.save_ops = frozenset(packets)
         self.sac_policy = functools.partial(_keep_unless_random, _keep_table(packets))
@@ -279,7 +300,10 @@ class CheckpointPlan:
     def retarget(self, policy: Union[str, Policy]) -> "CheckpointPlan":
         """Switch to another policy in place (between optimizer steps, never inside one)."""
         policy = parse_policy(policy)
-        layout = policy.layout(self.num_blocks)
+        if isinstance(policy, GroupPolicy):  # a region never spans two stacks (an encoder's and a decoder's blocks)
+            layout = policy.layout(self.num_blocks, stacks=_stack_lengths(self.names))
+        else:
+            layout = policy.layout(self.num_blocks)
         self._install(layout)
         self.policy = policy
         return self
@@ -410,6 +434,18 @@ class CheckpointPlan:
 
     def __repr__(self) -> str:
         return f"CheckpointPlan(policy={self.spec!r}, checkpointed={self.num_checkpointed}/{self.num_blocks})"
+
+
+def _stack_lengths(names: Sequence[str]) -> Tuple[int, ...]:
+    """The lengths of the runs of consecutive blocks that share a parent module (a stack: ``encoder.layers``)."""
+    lengths: List[int] = []
+    parents = [name.rpartition(".")[0] for name in names]
+    for i, parent in enumerate(parents):
+        if i and parent == parents[i - 1]:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return tuple(lengths)
 
 
 def _anchor(root: nn.Module, block_name: str) -> nn.Module:

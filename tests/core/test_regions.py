@@ -1,0 +1,204 @@
+"""``group:K`` regions (lightning_ckpt/core/regions.py): gradients equal to the plain model whatever the parent does
+between the blocks of a region; a region never spans two stacks; removal leaves no hook behind."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from lightning_ckpt import apply_policy, remove_checkpointing
+
+GROUPS = ["group:2", "group:4", "group:sqrt"]
+
+
+class Block(nn.Module):
+    def __init__(self, width=8, p=0.2):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.p = p
+
+    def forward(self, x):
+        return F.dropout(torch.tanh(self.fc(x)), self.p, self.training)
+
+
+class Parent(nn.Module):
+    """A stack of 4 blocks; ``between(i, x)`` is what the parent does after block ``i``."""
+
+    def __init__(self, between=None, n=4, width=8):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(n))
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.between = between
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if self.between is not None:
+                x = self.between(self, i, x)
+        return x
+
+
+def _grads(model, x, seed=0, passes=1):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = sum(model(x * (k + 1)).pow(2).sum() for k in range(passes))
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_grads(model, policy, x, passes=1):
+    reference = copy.deepcopy(model)
+    expected = _grads(reference, x, passes=passes)
+    apply_policy(model, policy)
+    got = _grads(model, x, passes=passes)
+    assert got.keys() == expected.keys()
+    for name in got:
+        assert torch.equal(got[name], expected[name]), (policy, name, (got[name] - expected[name]).abs().max())
+
+
+def _dropout(parent, i, x):
+    return F.dropout(x, 0.3, parent.training)
+
+
+def _layerdrop(parent, i, x):
+    torch.rand([])  # Hugging Face's LayerDrop draws between layers
+    return x
+
+
+def _in_place(parent, i, x):
+    return x.mul_(0.5)
+
+
+def _parameter_free(parent, i, x):
+    # the block's output dies here: without a reference held, Python may give its id() to the new tensor
+    x = torch.tanh(x)
+    return x + 1
+
+
+def _saves(parent, i, x):
+    return torch.sigmoid(x) * parent.gate
+
+
+@pytest.mark.parametrize("policy", GROUPS)
+@pytest.mark.parametrize("between", [_dropout, _layerdrop, _in_place, _parameter_free, _saves])
+def test_parent_work_between_blocks_keeps_gradients_bitwise(policy, between):
+    torch.manual_seed(0)
+    model = Parent(between)
+    x = torch.randn(3, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _assert_same_grads(model, policy, x)
+
+
+@pytest.mark.parametrize("policy", GROUPS)
+@pytest.mark.parametrize("between", [None, _parameter_free, _dropout])
+def test_two_forwards_before_one_backward(policy, between):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _assert_same_grads(Parent(between), policy, torch.randn(3, 8), passes=2)
+
+
+class Looped(nn.Module):
+    """The stack looped twice, or its first block reused after the stack."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.order = order
+
+    def forward(self, x):
+        for i in self.order:
+            x = self.blocks[i](x)
+        return x
+
+
+@pytest.mark.parametrize("policy", GROUPS)
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 0], [0, 1, 1, 2, 3], [0, 1, 0, 1, 2, 3]])
+def test_blocks_run_twice_in_one_forward(policy, order):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _assert_same_grads(Looped(order), policy, torch.randn(3, 8))
+
+
+def test_a_split_region_warns_once_naming_what_the_parent_did():
+    torch.manual_seed(0)
+    model = Parent(_dropout)
+    apply_policy(model, "group:2")
+    x = torch.randn(3, 8)
+    with pytest.warns(RuntimeWarning, match="random numbers") as record:
+        for _ in range(3):
+            model(x).sum().backward()
+    assert len([w for w in record if "lightning_ckpt" in str(w.message)]) == 1
+    assert "\n" not in str(record[0].message)
+
+
+def _packed_gates(model, x):
+    """How many times the parent's ``gate`` was saved through the user's outer hooks."""
+    count = 0
+
+    def pack(t):
+        nonlocal count
+        count += t is model.gate
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    out.sum().backward()
+    return count
+
+
+@pytest.mark.parametrize("policy", GROUPS)
+def test_the_parents_saves_between_blocks_go_through_the_users_hooks(policy):
+    torch.manual_seed(0)
+    model = Parent(_saves)
+    x = torch.randn(3, 8)
+    plain = _packed_gates(model, x)
+    apply_policy(model, policy)
+    assert plain == 4 and _packed_gates(model, x) == plain
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Parent(n=3)
+        self.decoder = Parent(n=3)
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+
+@pytest.mark.parametrize("policy", ["group:2", "group:sqrt", "group:4"])
+def test_a_region_never_spans_two_stacks(policy):
+    torch.manual_seed(0)
+    model = EncoderDecoder()
+    plan = apply_policy(model, policy)
+    stacks = [name.rsplit(".", 2)[0] for name in plan.names]
+    for start, stop in plan.layout.groups:
+        assert len(set(stacks[start:stop])) == 1, (start, stop)
+    assert plan.layout.groups  # still grouped within each stack
+    remove_checkpointing(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no 'not called back to back' warning
+        _assert_same_grads(model, policy, torch.randn(3, 8))
+
+
+def _hook_entries(model):
+    return sum(len(m._forward_hooks) + len(getattr(m, "_forward_hooks_always_called", {})) for m in model.modules())
+
+
+def test_remove_checkpointing_leaves_no_hook_entries():
+    model = Parent()
+    apply_policy(model, "group:2")
+    remove_checkpointing(model)
+    assert _hook_entries(model) == 0
+    plan = apply_policy(model, "group:2")
+    for _ in range(3):
+        plan.retarget("group:2")
+        plan.retarget("all")
+    assert _hook_entries(model) == 0
