@@ -37,6 +37,7 @@ decided per call when the block runs (:mod:`lightning_ckpt.core.wrap`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, List, Sequence, Tuple, Type, Union
 
@@ -67,6 +68,9 @@ __all__ = [
     "parse_policy_list",
 ]
 
+_SIGNED_INT = re.compile(r"-?[0-9]+")
+_ASCII_NUMBER = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?")
+
 MODES = ("off", "recompute", "selective", "offload")
 """Per-block modes. ``off`` runs the plain forward; the other three are switchable at run time."""
 
@@ -78,10 +82,10 @@ def compiler_fraction(mode: str) -> Union[float, None]:
     """The fraction of a ``compiler:<fraction>`` mode (``None`` for any other string or a malformed fraction)."""
     if not isinstance(mode, str) or not mode.startswith(COMPILER_MODE + ":"):
         return None
-    try:
-        fraction = float(mode[len(COMPILER_MODE) + 1:])
-    except ValueError:
+    text = mode[len(COMPILER_MODE) + 1:]
+    if not _ASCII_NUMBER.fullmatch(text):  # float() also reads '0_5' and non-ASCII digits
         return None
+    fraction = float(text)
     return fraction if 0.0 <= fraction <= 1.0 else None
 
 
@@ -256,6 +260,8 @@ class GroupPolicy(Policy):
     name: ClassVar[str] = "group"
 
     def __post_init__(self) -> None:
+        if isinstance(self.k, str) and self.k.strip().lower() == "sqrt":
+            object.__setattr__(self, "k", "sqrt")
         if self.k != "sqrt":
             _check_positive_int("group", self.k, "K")
 
@@ -291,7 +297,8 @@ class SelectivePolicy(Policy):
     name: ClassVar[str] = "selective"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ops", tuple(self.ops))
+        # one case rule everywhere: names are read lower-cased; a repeated name counts once
+        object.__setattr__(self, "ops", tuple(dict.fromkeys(str(op).strip().lower() for op in self.ops)))
         if not self.ops:
             raise ValueError("selective: needs at least one op name, e.g. 'selective:mm,sdpa'.")
         self.aten_ops()  # validate names eagerly, before training starts
@@ -345,6 +352,8 @@ class BudgetPolicy(Policy):
     def __post_init__(self) -> None:
         text = self.budget.strip() if isinstance(self.budget, str) else self.budget
         try:
+            if isinstance(text, str) and (not text.isascii() or "_" in text):  # float() reads '0.0_1' and '٠.٥'
+                raise ValueError(text)
             parsed = parse_size_or_fraction(text, name="budget")
         except ValueError:  # one wording for every bad value: '-1GiB', '0', '0.0', '1.5', '18XB'
             raise ValueError(
@@ -377,7 +386,7 @@ class ModesPolicy(Policy):
     name: ClassVar[str] = "modes"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "modes", tuple(self.modes))
+        object.__setattr__(self, "modes", tuple(m.strip().lower() if isinstance(m, str) else m for m in self.modes))
         bad = sorted({m for m in self.modes if not is_mode(m)})
         if bad:
             raise ValueError(f"unknown block modes {bad}; valid modes are {list(MODES)} and "
@@ -386,20 +395,64 @@ class ModesPolicy(Policy):
         missing = compiler_budget_unavailable() if compiled else None
         if missing:
             raise ValueError(f"modes {compiled}: upgrade torch or choose among {list(MODES)} — {missing}.")
-        object.__setattr__(self, "save_ops", tuple(self.save_ops))
-        if "selective" in self.modes and not self.save_ops:
-            object.__setattr__(self, "save_ops", SelectivePolicy().aten_ops())
+        save_ops = tuple(dict.fromkeys(str(op).strip().lower() for op in self.save_ops))
+        default = SelectivePolicy().aten_ops()
+        if "selective" in self.modes and not save_ops:
+            save_ops = default
+        elif "selective" not in self.modes and save_ops == default:
+            save_ops = ()  # the default list is what 'selective' gets anyway: one spelling for one plan
+        object.__setattr__(self, "save_ops", save_ops)
         for name in self.save_ops:  # an explicit list (a planner's) is held to the same rule as a parsed one
             _refuse_random_op(name)
 
     @property
     def spec(self) -> str:
-        return "modes:" + ",".join(self.modes)
+        """``modes:<mode>,<mode>,...``, then ``save=<op>+<op>`` when the save list is not the default one (aliases
+        where a whole alias is listed), so a plan's state carries its save list."""
+        spec = "modes:" + ",".join(self.modes)
+        if self.save_ops and self.save_ops != SelectivePolicy().aten_ops():
+            spec += "," + _SAVE_PREFIX + "+".join(_with_aliases(self.save_ops))
+        return spec
 
     def layout(self, num_blocks: int) -> Layout:
         if len(self.modes) != num_blocks:
             raise ValueError(f"{len(self.modes)} block modes given for a model with {num_blocks} blocks.")
         return Layout(self.modes, save_ops=self.save_ops)
+
+
+_SAVE_PREFIX = "save="
+
+
+def _with_aliases(names: Sequence[str]) -> List[str]:
+    """``names`` (aten op names) with each alias whose every present op is listed written as the alias."""
+    import torch
+
+    out: List[str] = []
+    covered = set()
+    for name in names:
+        if name in covered:
+            continue
+        alias = next((a for a, ops in SELECTIVE_ALIASES.items()
+                      if name in ops and {o for o in ops if hasattr(torch.ops.aten, o)} <= set(names)), None)
+        if alias is None:
+            out.append(name)
+        else:
+            out.append(alias)
+            covered.update(SELECTIVE_ALIASES[alias])
+    return out
+
+
+def _parse_modes(arg: str) -> "ModesPolicy":
+    """``off,recompute,...`` with an optional last item ``save=<op>+<op>`` (the save list of ``selective``)."""
+    items = [s.strip() for s in arg.split(",")]
+    save = [s for s in items if s.startswith(_SAVE_PREFIX)]
+    modes = tuple(s for s in items if not s.startswith(_SAVE_PREFIX))
+    if not save:
+        return ModesPolicy(modes)
+    if len(save) > 1 or items[-1] != save[0]:
+        raise ValueError(f"give one {_SAVE_PREFIX!r} item, after the modes, e.g. 'modes:off,selective,save=gelu+mm'.")
+    ops = tuple(op.strip() for op in save[0][len(_SAVE_PREFIX):].split("+") if op.strip())
+    return ModesPolicy(modes, SelectivePolicy(ops).aten_ops())
 
 
 def _refuse_random_op(name: str) -> None:
@@ -441,10 +494,13 @@ def _compress_ranges(indices: Tuple[int, ...]):
 
 
 def _parse_int(text: str, policy: str, label: str) -> int:
-    try:
+    text = text.strip()
+    if _SIGNED_INT.fullmatch(text):
         return int(text)
-    except ValueError:
-        raise ValueError(f"{policy}:{label} needs an integer, got {text!r} (e.g. '{policy}:2').") from None
+    # int() also reads '2_0' and non-ASCII digits ('٢'): a number here is the digits 0-9 only
+    odd = "_" in text or any(c.isdigit() and not c.isascii() for c in text)
+    digits = " written with the digits 0-9 only" if odd else ""
+    raise ValueError(f"{policy}:{label} needs an integer{digits}, got {text!r} (e.g. '{policy}:2').")
 
 
 def _parse_indices(arg: str) -> Tuple[int, ...]:
@@ -453,6 +509,9 @@ def _parse_indices(arg: str) -> Tuple[int, ...]:
         if part.startswith("-"):
             raise ValueError(f"blocks: indices must be ≥ 0, got {part!r}.")
         lo, sep, hi = part.partition("-")
+        if sep and (not hi.strip() or "-" in hi):
+            raise ValueError(f"blocks: write the range {part!r} as low-high with one '-' between two indices ≥ 0, "
+                             "e.g. 'blocks:0-2'.")
         a = _parse_int(lo, "blocks", "index")
         b = _parse_int(hi, "blocks", "index") if sep else a
         if b < a:
@@ -474,7 +533,7 @@ _PARSERS: Dict[str, Callable[[str], Policy]] = {
     "selective": lambda a: SelectivePolicy(tuple(s.strip() for s in a.split(",") if s.strip()))
     if a else SelectivePolicy(),
     "budget": lambda a: BudgetPolicy(a),
-    "modes": lambda a: ModesPolicy(tuple(s.strip() for s in a.split(","))),
+    "modes": _parse_modes,
 }
 _NEEDS_ARG = {"every", "first", "blocks", "group", "budget", "modes"}
 _OPTIONAL_ARG = {"selective"}  # bare name: the default save list; with ':' an explicit, non-empty list
@@ -501,6 +560,8 @@ def parse_policy(policy: Union[str, Policy, None]) -> Policy:
         raise TypeError(f"policy={policy!r} must be a string such as 'every:2' or a Policy; grammar: {GRAMMAR}.")
     name, sep, arg = policy.strip().partition(":")
     name, arg = name.strip().lower(), arg.strip()
+    if name != "budget":  # one case rule: names, modes and op names are read lower-cased (a size keeps its units)
+        arg = arg.lower()
     if name not in _PARSERS:
         import difflib
 

@@ -529,3 +529,63 @@ def test_compiler_modes_are_refused_before_training_on_a_torch_without_the_regio
                                          rf"'recompute', 'selective', 'offload'\] .* torch {version} does not have"):
         parse_policy("modes:off,compiler:0.5")
     assert parse_policy("modes:off,recompute").spec == "modes:off,recompute"  # the other modes are untouched
+
+
+# --------------------------------------------------------------------------- one grammar: ASCII digits, one case rule
+
+
+@pytest.mark.parametrize("text", ["every:2_0", "first:1_0", "group:1_2", "blocks:1_0", "every:٢", "blocks:٣",
+                                  "group:٢", "blocks:0-٣"])
+def test_numbers_are_the_ascii_digits_only(text):
+    with pytest.raises(ValueError, match=r"needs an integer written with the digits 0-9 only, got "):
+        parse_policy(text)
+
+
+@pytest.mark.parametrize("text", ["budget:0.0_1", "budget:٠.٥", "budget:1_0GiB"])
+def test_a_budget_is_ascii_digits_only(text):
+    with pytest.raises(ValueError, match=r"is not a budget"):
+        parse_policy(text)
+
+
+def test_a_compiler_fraction_is_ascii_digits_only():
+    with pytest.raises(ValueError, match=r"unknown block modes"):
+        parse_policy("modes:off,compiler:0.5_0")
+
+
+@pytest.mark.parametrize("text", ["blocks:0--2", "blocks:0-", "blocks:0-2-4"])
+def test_a_malformed_range_is_refused_as_such(text):
+    expected = r"as low-high with one '-' between two indices ≥ 0, e\.g\. 'blocks:0-2'"
+    with pytest.raises(ValueError, match=expected) as err:
+        parse_policy(text)
+    assert "backwards" not in str(err.value)
+
+
+def test_a_repeated_op_counts_once():
+    policy = parse_policy("selective:mm,mm,gelu,MM")
+    assert policy.ops == ("mm", "gelu") and policy.spec == "selective:mm,gelu"
+    assert SelectivePolicy(("mm", "mm")) == SelectivePolicy(("mm",))
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("ALL", AllPolicy()),
+    ("Every:2", EveryPolicy(2)),
+    ("GROUP:SQRT", GroupPolicy("sqrt")),
+    ("modes:OFF,Recompute", ModesPolicy((OFF, RE))),
+    ("selective:MM,Gelu", SelectivePolicy(("mm", "gelu"))),
+    ("SELECTIVE:SDPA", SelectivePolicy(("sdpa",))),
+])
+def test_one_case_rule_names_modes_and_ops_are_read_lower_cased(text, expected):
+    assert parse_policy(text) == expected and parse_policy(text).spec == parse_policy(text).spec.lower()
+
+
+def test_a_modes_spec_carries_its_save_list():
+    gelu = ModesPolicy(("selective", OFF), ("gelu",))
+    assert gelu.spec == "modes:selective,off,save=gelu"
+    assert parse_policy(gelu.spec) == gelu and parse_policy(gelu.spec).save_ops == ("gelu",)
+    aliased = ModesPolicy(("selective",), SelectivePolicy(("gelu", "mm")).aten_ops())
+    assert aliased.spec == "modes:selective,save=gelu+mm" and parse_policy(aliased.spec) == aliased
+    default = ModesPolicy(("selective", OFF))
+    assert default.spec == "modes:selective,off" and parse_policy(default.spec) == default
+    assert ModesPolicy((OFF, RE), SelectivePolicy().aten_ops()) == ModesPolicy((OFF, RE))
+    with pytest.raises(ValueError, match=r"give one 'save=' item, after the modes"):
+        parse_policy("modes:save=gelu,selective")

@@ -939,3 +939,43 @@ def test_cuda_rng_preserved_for_keyword_only_inputs(policy):
         m(x).pow(2).mean().backward()
         grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
     assert all(torch.equal(grads[1][n], grads[0][n]) for n in grads[0])
+
+
+EVERY_POLICY = POLICIES + ["selective:mm", "selective:gelu,mm", "group:3", "modes:selective,off,recompute,offload"]
+
+
+@pytest.mark.parametrize("policy", EVERY_POLICY)
+def test_torch_save_pickle_and_deepcopy_under_every_policy(stack, idx, policy):
+    plan = apply_policy(stack, policy)
+    reference = copy.deepcopy(stack)
+    remove_checkpointing(reference)
+    _, expected = _grads(reference, idx)
+    buffer = io.BytesIO()
+    torch.save(stack, buffer)
+    buffer.seek(0)
+    clones = [copy.deepcopy(stack), pickle.loads(pickle.dumps(stack)), torch.load(buffer, weights_only=False)]
+    for clone in clones:
+        cloned = get_plan(clone)
+        assert cloned.spec == plan.spec and cloned.modes == plan.modes
+        assert cloned.layout.save_ops == plan.layout.save_ops and cloned.shared.save_ops == plan.shared.save_ops
+        _, grads = _grads(clone, idx)
+        for name in expected:
+            assert torch.equal(grads[name], expected[name]), (policy, name)
+
+
+@pytest.mark.parametrize("policy", EVERY_POLICY)
+def test_every_plans_state_round_trips_spec_modes_and_save_list(stack, policy):
+    plan = apply_policy(stack, policy)
+    if policy.startswith("selective"):
+        plan.set_modes(["selective", "off", "selective", "recompute"])
+    state = torch.load(_saved(plan.state_dict()), weights_only=True)
+    fresh = apply_policy(Stack(), "none").load_state_dict(state)
+    assert fresh.spec == plan.spec and fresh.modes == plan.modes and fresh.layout == plan.layout
+    assert fresh.policy == plan.policy
+
+
+def _saved(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
