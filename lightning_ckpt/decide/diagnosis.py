@@ -6,23 +6,32 @@ From the seed's "What to do on Monday morning":
 - forward / start of backward, peak scaling with depth or tokens: retained activations;
 - backward despite checkpointing: attention workspaces and un-checkpointed kernels (or the replay transient);
 - the **first** ``optimizer.step()``: lazy optimizer-state allocation;
-- a later optimizer step: not the state itself (it exists already) — temporaries, fragmentation, or growth.
+- a later optimizer step: not the state itself (it exists already) — temporaries, fragmentation, or growth;
+- validation, the sanity check, test or predict: no gradients, nothing saved for backward — checkpointing cannot
+  help; the evaluation batch and what training leaves on the device.
 
-:class:`PhaseTracker` is a tiny state machine the callback advances from its hooks; :func:`diagnose` turns a
-phase and the last measured ledger into the text attached to the re-raised error.
+:class:`PhaseTracker` is a tiny state machine the callback advances from its hooks; :meth:`PhaseTracker.where`
+names the phase of an error from it, the Trainer's stage (an evaluation loop runs the same block hooks as training)
+and whether the error came up through compiled code (a compiled graph applies the hooks' effects only after it
+returns); :func:`diagnose` turns a phase and the last measured ledger into the text attached to the re-raised error.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
 from lightning_ckpt.core.units import GiB, format_bytes, unit_for
 
-__all__ = ["METER_PHASE", "PHASES", "OutOfMemoryDiagnosis", "PhaseTracker", "diagnose", "is_out_of_memory",
-           "phase_forecast"]
+__all__ = ["EVALUATION_PHASES", "METER_PHASE", "PHASES", "OutOfMemoryDiagnosis", "PhaseTracker", "diagnose",
+           "is_out_of_memory", "phase_forecast", "raised_in_compiled_code"]
 
-PHASES = ("before_forward", "forward", "backward", "first_optimizer_step", "optimizer_step")
+PHASES = ("before_forward", "forward", "backward", "first_optimizer_step", "optimizer_step", "validation",
+          "sanity_check", "evaluation")
+# the Trainer's stage (``trainer.state.stage.value``) of a loop without gradients -> its phase
+_EVALUATION_STAGES = {"sanity_check": "sanity_check", "validate": "validation", "test": "evaluation",
+                      "predict": "evaluation"}
+EVALUATION_PHASES = frozenset(_EVALUATION_STAGES.values())
 
 _SUSPECTS: Dict[str, str] = {
     "before_forward": (
@@ -49,6 +58,20 @@ _SUSPECTS: Dict[str, str] = {
         "the step died in a later optimizer.step(): the optimizer state already existed, so suspect temporaries "
         "of the update, fragmentation (compare reserved with allocated), or memory that grows across steps."
     ),
+    "validation": (
+        "lower the validation batch size (or its sequence length). The error came in the validation loop, which "
+        "runs without gradients, so activation checkpointing cannot help there; the parameters, the optimizer "
+        "state and the allocator's cache of training stay on the device through it."
+    ),
+    "sanity_check": (
+        "lower the validation batch size (or its sequence length). The error came in the sanity check "
+        "(num_sanity_val_steps: validation steps before training starts), which runs without gradients, so "
+        "activation checkpointing cannot help there."
+    ),
+    "evaluation": (
+        "lower the batch size of the test or predict loop (or its sequence length). It runs without gradients, so "
+        "activation checkpointing cannot help there."
+    ),
 }
 
 
@@ -73,13 +96,38 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, oom_type) or any(words in text for words in _RAN_OUT)
 
 
+def raised_in_compiled_code(error: BaseException) -> bool:
+    """Whether ``error`` came up through a ``torch.compile``d call (read before its traceback is released).
+
+    Every compiled call enters through a frame of dynamo's context (``torch._dynamo.eval_frame``) that holds the
+    context as ``self``; a region dynamo only *skips* (``torch.compiler.disable``, the eager path of every custom op)
+    enters through the same code with a ``DisableContext``, which is not compiled code.
+    """
+    from torch._dynamo import eval_frame
+
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_globals.get("__name__", "") == eval_frame.__name__:
+            context = frame.f_locals.get("self")
+            if isinstance(context, eval_frame._TorchDynamoContext) and \
+                    not isinstance(context, eval_frame.DisableContext):
+                return True
+        tb = tb.tb_next
+    return False
+
+
 @dataclass
 class PhaseTracker:
-    """Where the current training step is; advanced by the callback's hooks (no torch, no Lightning)."""
+    """Where the current training step is; advanced by the callback's hooks (no torch, no Lightning).
+
+    Whether an optimizer step is the first is decided from the optimizer itself, not from a count of steps (which
+    a second ``fit`` with a fresh optimizer, or a resumed run, would get wrong): the caller tells
+    :meth:`optimizer_ready` whether the optimizer about to step holds state already.
+    """
 
     phase: str = "before_forward"
-    optimizer_steps: int = 0
-    history: Dict[str, int] = field(default_factory=dict)
+    optimizer_has_state: bool = False
 
     def batch_start(self) -> None:
         self.phase = "before_forward"
@@ -91,18 +139,30 @@ class PhaseTracker:
     def backward_start(self) -> None:
         self.phase = "backward"
 
+    def optimizer_ready(self, has_state: bool) -> None:
+        """The optimizer about to step holds state already (or keeps none and has stepped before): a later step."""
+        self.optimizer_has_state = has_state
+
     def optimizer_step_start(self) -> None:
-        self.phase = "first_optimizer_step" if self.optimizer_steps == 0 else "optimizer_step"
+        self.phase = "optimizer_step" if self.optimizer_has_state else "first_optimizer_step"
 
     def optimizer_step_end(self) -> None:
-        self.optimizer_steps += 1
         self.phase = "before_forward"
 
-    def state_dict(self) -> Dict[str, int]:
-        return {"optimizer_steps": self.optimizer_steps}
+    def where(self, stage: Optional[str] = None, compiled: bool = False) -> str:
+        """The phase an error happened in.
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        Args:
+            stage: the Trainer's stage (``trainer.state.stage.value``): an evaluation loop's own phase, whatever
+                the block hooks (which fire there too) last set.
+            compiled: the error came up through compiled code (:func:`raised_in_compiled_code`): a compiled graph
+                applies the hooks' effects after it returns, so "before forward" there is the forward.
+        """
+        if stage in _EVALUATION_STAGES:
+            return _EVALUATION_STAGES[stage]
+        if compiled and self.phase == "before_forward":
+            return "forward"
+        return self.phase
 
 
 # the step phases the meter measures (``memory/peak_{phase}_gib``) for each phase an error can happen in
@@ -113,7 +173,7 @@ METER_PHASE = {"before_forward": "forward", "forward": "forward", "backward": "b
 def phase_forecast(phase: str, phase_peaks: Mapping[str, int], capacity: Optional[int]) -> Optional[str]:
     """What the last measured step's phase peaks (bytes) say about an error in ``phase``: which phase's peak
     crosses capacity, or how close the dying phase came (``None`` without phase peaks)."""
-    if not phase_peaks:
+    if not phase_peaks or phase not in METER_PHASE:  # an evaluation loop: the training step's phases are not its own
         return None
     own = METER_PHASE[phase]
     shown = ", ".join(f"{name} {format_bytes(v)}" + (f" ({v / capacity:.0%})" if capacity else "")
@@ -150,6 +210,8 @@ def diagnose(phase: str, ledger_lines: Optional[Mapping[str, float]] = None, cap
         for name, gib in ledger_lines.items():
             share = f"  ({gib * GiB / capacity:6.1%})" if capacity else ""
             lines.append(f"  {name:<22} {gib * GiB / scale:10.2f} {unit}{share}")
+    elif phase in EVALUATION_PHASES:
+        lines.append("No training step was measured before the error.")
     else:
         lines.append("No step was measured before the error (it happened in the first step).")
     return "\n".join(lines)

@@ -153,6 +153,7 @@ class CheckpointingEngine:
         """Every run: refuse conflicts; when fitting, arrange for the plan to be applied before strategy setup."""
         self._applied_in_run = False
         self._pending = None
+        self.guard.attach(trainer)  # every stage: an evaluation loop's out-of-memory error is named by its stage
         found = conflicts.owners(trainer)
         if len(found) > 1:
             raise RuntimeError(conflicts.two_owners_message(found))

@@ -18,8 +18,14 @@ What an escalated retry guarantees (``on_oom="escalate"``, one process):
 - the retry draws the same random numbers as the failed attempt (dropout masks): the CPU generator's state and
   every CUDA device's (:data:`DEVICE_RNG`, where CUDA is initialized) are kept before the attempt and put back
   before the retry;
+- the journal is kept whenever the step accumulates (``trainer.accumulate_grad_batches > 1``, read at every step:
+  Lightning's ``GradientAccumulationScheduler`` sets it after the fit has started, and may change it per epoch);
 - an error in an *earlier* micro-batch of an accumulation window happens outside the optimizer step (Lightning
-  runs it directly); it is diagnosed (a note on the error), not retried;
+  runs it directly); it is diagnosed (a note on the error), not retried, and the note says so and names the policy
+  to resume with — "exhausted" is said only where the ladder has nothing stronger;
+- with ``auto_threshold`` the controller hears of the failure
+  (:meth:`~lightning_ckpt.decide.controller.Controller.out_of_memory`): it does not move back down into the policy
+  that ran out of memory until a reading says it now fits with a margin;
 - the failed attempt is gone before the retry starts: every traceback of the error's chain (``__cause__``,
   ``__context__``, exception groups) is cleared with its frames (:func:`release_failed_attempt`), so the tensors
   those frames held are freed before ``gc.collect()`` and ``torch.cuda.empty_cache()`` run; then the step's
@@ -30,6 +36,13 @@ What an escalated retry guarantees (``on_oom="escalate"``, one process):
 - the retry is inside the closure the precision plugin calls once: with ``16-mixed`` (a ``GradScaler``) the
   gradients are unscaled, and the optimizer stepped, once per optimizer step. An error after the closure (the
   optimizer step, gradient clipping) is diagnosed, never retried: the closure would run, and unscale, twice.
+
+The phase named (:meth:`~lightning_ckpt.decide.diagnosis.PhaseTracker.where`) is the Trainer's when an evaluation
+loop runs (validation, the sanity check: no gradients, so no checkpointing advice), the forward when the error came
+up through compiled code while the tracker still says "before forward" (a compiled graph applies the block hook's
+effect only after it returns), and a step is the optimizer's first when the optimizer holds no state yet (and has
+not stepped in this process): a second ``fit`` with a fresh optimizer and a resumed one are told apart by the
+optimizer itself.
 
 A ``budget:`` policy's calibration retries its own out-of-memory steps whatever ``on_oom`` says (one process): the
 calibration chose that plan, not the user. The stage is recorded as not fitting and the step is retried one rung up
@@ -45,12 +58,19 @@ from __future__ import annotations
 import gc
 import sys
 import traceback
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.checkpoint import CheckpointError
 
-from lightning_ckpt.decide.diagnosis import OutOfMemoryDiagnosis, diagnose, is_out_of_memory
+from lightning_ckpt.decide.diagnosis import (
+    EVALUATION_PHASES,
+    OutOfMemoryDiagnosis,
+    diagnose,
+    is_out_of_memory,
+    raised_in_compiled_code,
+)
 from lightning_ckpt.decide.escalation import stronger, stronger_rungs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -172,13 +192,31 @@ class StepGuard:
         self.engine = engine
         self.replaying: Optional[str] = None  # the region replayed last: named when its replay misbehaves
         self.world_size = 1
-        self.accumulating = False
+        self.trainer: Any = None
         self.store: Any = None
+        self._stepped: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers that stepped in this process
+
+    def attach(self, trainer: Any) -> None:
+        """The Trainer of the run (every stage): its stage names an evaluation loop's errors."""
+        self.trainer = trainer
 
     def configure(self, trainer: Any) -> None:
-        """Read what the retry depends on from the Trainer (at setup)."""
+        """Read what the retry depends on from the Trainer (at fit start). The accumulation is read at every step
+        instead: ``GradientAccumulationScheduler`` sets it later, per epoch."""
+        self.trainer = trainer
         self.world_size = trainer.world_size
-        self.accumulating = trainer.accumulate_grad_batches > 1
+
+    @property
+    def accumulating(self) -> bool:
+        """The step in flight accumulates over micro-batches (read now: a scheduler may have changed it)."""
+        return self.trainer is not None and self.trainer.accumulate_grad_batches > 1
+
+    def phase(self, err: Optional[BaseException] = None) -> str:
+        """The phase of an error (see the module docstring); read before its traceback is released."""
+        state = getattr(self.trainer, "state", None)
+        stage = getattr(getattr(state, "stage", None), "value", None)
+        compiled = err is not None and raised_in_compiled_code(err)
+        return self.engine.phase.where(stage, compiled=compiled)
 
     def note_replay(self, owner: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A replay hook (:func:`~lightning_ckpt.core.replay.register_replay_hook`): remember who replays."""
@@ -199,6 +237,8 @@ class StepGuard:
     def guarded_step(self, original: Callable[..., Any], optimizer: Any, closure: Callable[[], Any],
                      *args: Any, **kwargs: Any) -> Any:
         """Run ``strategy.optimizer_step`` with a closure that retries on OOM (escalate) or diagnoses it."""
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
+        self.engine.phase.optimizer_ready(bool(getattr(inner, "state", None)) or inner in self._stepped)
 
         def retrying_closure() -> Any:
             outside = sys.exc_info()[1]  # being handled by a caller: not the failed attempt's
@@ -216,7 +256,7 @@ class StepGuard:
                     if journal is not None:
                         journal.undo()
                     if not self._escalate(err, outside):
-                        raise self._stop(err) from err
+                        raise self._stop(err, "closure") from err
                     if random is not None:
                         random.restore()
                     retried = True
@@ -229,13 +269,18 @@ class StepGuard:
                 return result
 
         try:
-            return original(optimizer, retrying_closure, *args, **kwargs)
+            result = original(optimizer, retrying_closure, *args, **kwargs)
         except OutOfMemoryDiagnosis:
             raise
         except Exception as err:  # noqa: BLE001
             if is_out_of_memory(err):
-                raise self._stop(err) from err
+                raise self._stop(err, "after") from err
             raise
+        try:  # an optimizer that keeps no state (SGD without momentum): its next step is not a first one
+            self._stepped.add(inner)
+        except TypeError:  # not weak-referenceable: its state alone decides
+            pass
+        return result
 
     def _calibrating(self) -> bool:
         """A budget calibration is running (its stages, or the step verifying its choice)."""
@@ -263,6 +308,7 @@ class StepGuard:
         plan = engine.plan
         if not self._retries() or plan is None:
             return False
+        phase = self.phase(err)  # before the chain is released: the traceback says whether compiled code raised it
         ladder, before, spec, policy = engine.settings.ladder, plan.layout, plan.spec, plan.policy
         for rung in stronger_rungs(before, ladder, accelerator=engine.on_accelerator):
             engine.change_plan(rung, level=list(ladder).index(rung))
@@ -273,6 +319,8 @@ class StepGuard:
             if plan.layout != before:
                 engine.change_plan(policy)
             return False
+        if engine.controller is not None and spec in ladder:  # it must not walk back into the policy that failed
+            engine.controller.out_of_memory(list(ladder).index(spec))
         calibration = engine.calibration if self._calibrating() else None
         if calibration is not None:  # before the release: it drops what the stage captured of the failed attempt
             calibration.out_of_memory()
@@ -280,7 +328,6 @@ class StepGuard:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        phase = engine.phase.phase
         engine.phase.batch_start()
         engine.restart_step()
         note = " (a budget calibration step: recorded as not fitting, not as a stage)" if calibration else ""
@@ -289,29 +336,63 @@ class StepGuard:
                     "blocks checkpointed)")
         return True
 
-    def diagnosis(self, err: BaseException) -> OutOfMemoryDiagnosis:
+    def diagnosis(self, err: BaseException, where: str = "outside") -> OutOfMemoryDiagnosis:
+        """The diagnosis of ``err``: its phase, the last ledger, the peak's tensors, the allocator's record, and why it
+        was not retried.
+
+        Args:
+            err: the out-of-memory error.
+            where: ``"closure"`` (the forward and backward of the optimizer step, which a retry could not rescue),
+                ``"after"`` (after them: the optimizer step, gradient clipping) or ``"outside"`` (anywhere else: an
+                earlier micro-batch of an accumulation window, manual optimization, an evaluation loop).
+        """
         engine = self.engine
+        phase = self.phase(err)
         lines = {k.split("memory/")[-1].removesuffix("_gib"): v for k, v in engine.last_metrics.items()
                  if "memory/" in k}
         last = engine.last_result.ledger if engine.last_result is not None else None
-        text = diagnose(engine.phase.phase, lines, engine.capacity, last.phase_peaks if last is not None else None)
+        text = diagnose(phase, lines, engine.capacity, last.phase_peaks if last is not None else None)
         if engine.last_attribution is not None:  # which tensors: the last reference step's, labelled as such
             text += "\n" + _peak_lines(engine)
-        where = engine.snapshot.describe(err) if engine.snapshot is not None else None
-        if where:  # snapshot_on_oom: the allocator's own record, written at the failed allocation (or why none is)
-            text += "\n" + where
-        plan = engine.plan
-        if engine.settings.on_oom == "escalate" and self.world_size > 1:
-            text += (f"\nNot retried: with {self.world_size} processes a retry on one rank would meet its peers "
-                     "inside another collective; every rank stops. Raise the policy (e.g. policy='all') and resume.")
-        elif engine.settings.on_oom == "escalate":
-            current = plan.spec if plan is not None else "none"
-            text += (f"\nNo rung of the ladder {list(engine.settings.ladder)} checkpoints more than the current "
-                     f"plan {current!r}: the escalation is exhausted.")
-        return OutOfMemoryDiagnosis(f"{text}\nOriginal error: {err}", engine.phase.phase)
+        record = engine.snapshot.describe(err) if engine.snapshot is not None else None
+        if record:  # snapshot_on_oom: the allocator's own record, written at the failed allocation (or why none is)
+            text += "\n" + record
+        note = self._retry_note(phase, where)
+        if note:
+            text += "\n" + note
+        return OutOfMemoryDiagnosis(f"{text}\nOriginal error: {err}", phase)
 
-    def _stop(self, err: BaseException) -> OutOfMemoryDiagnosis:
-        diagnosis = self.diagnosis(err)
+    def _retry_note(self, phase: str, where: str) -> str:
+        """Why an escalating run did not retry this error, fix first (nothing when it was never to be retried)."""
+        engine = self.engine
+        if not (engine.settings.on_oom == "escalate" or self._calibrating()):
+            return ""
+        if phase in EVALUATION_PHASES:
+            return ("Not retried: on_oom='escalate' retries training steps only, and an evaluation loop has no "
+                    "gradients for checkpointing to save.")
+        if self.world_size > 1:
+            return (f"Not retried: with {self.world_size} processes a retry on one rank would meet its peers inside "
+                    "another collective; every rank stops. Raise the policy (e.g. policy='all') and resume.")
+        if where == "after":
+            return ("Not retried: the error came after the forward and backward (the optimizer step or gradient "
+                    "clipping), where running the step again would apply its update twice.")
+        plan, ladder = engine.plan, list(engine.settings.ladder)
+        current = plan.spec if plan is not None else "none"
+        stronger_one = None
+        if plan is not None and where == "outside":  # the closure's error: the escalation tried every stronger one
+            rungs = stronger_rungs(plan.layout, ladder, accelerator=engine.on_accelerator)
+            stronger_one = next((rung for rung in rungs if rung != current), None)  # not the one kept off in part
+        if stronger_one is None:
+            return (f"Reduce the micro-batch (with gradient accumulation) or the sequence length, or add a policy that "
+                    f"keeps less on the device to the ladder: no policy on the ladder {ladder} checkpoints more than "
+                    f"the current plan {current!r}, so there is nothing left to retry with (the escalation is "
+                    "exhausted).")
+        return (f"To go on, resume from the last checkpoint with policy={stronger_one!r}: this micro-batch ran "
+                "outside the optimizer step (an earlier micro-batch of a gradient accumulation window, or manual "
+                "optimization), where its gradients cannot be taken back, so it was not retried.")
+
+    def _stop(self, err: BaseException, where: str) -> OutOfMemoryDiagnosis:
+        diagnosis = self.diagnosis(err, where)
         if self.world_size > 1:
             self._publish(str(diagnosis))
         return diagnosis
@@ -344,7 +425,7 @@ class StepGuard:
         if isinstance(exception, OutOfMemoryDiagnosis):
             return
         if is_out_of_memory(exception):
-            exception.add_note(str(self.diagnosis(exception)))
+            exception.add_note(str(self.diagnosis(exception, "outside")))
         elif self.world_size > 1:
             published = self._published()
             if published:

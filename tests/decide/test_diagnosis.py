@@ -4,10 +4,10 @@ import torch
 from lightning_ckpt.decide.diagnosis import PHASES, OutOfMemoryDiagnosis, PhaseTracker, diagnose, is_out_of_memory
 
 
-def test_tracker_walks_the_phases_and_knows_the_first_optimizer_step():
+def test_tracker_walks_the_phases_and_asks_the_optimizer_whether_its_step_is_the_first():
     t = PhaseTracker()
     seen = []
-    for _ in range(2):
+    for has_state in (False, True):
         t.batch_start()
         seen.append(t.phase)
         t.forward_start()
@@ -16,15 +16,72 @@ def test_tracker_walks_the_phases_and_knows_the_first_optimizer_step():
         seen.append(t.phase)
         t.backward_start()
         seen.append(t.phase)
+        t.optimizer_ready(has_state)
         t.optimizer_step_start()
         seen.append(t.phase)
         t.optimizer_step_end()
     assert seen == ["before_forward", "forward", "forward", "backward", "first_optimizer_step"] + [
         "before_forward", "forward", "forward", "backward", "optimizer_step"]
-    fresh = PhaseTracker()
-    fresh.load_state_dict(t.state_dict())
-    fresh.optimizer_step_start()
-    assert fresh.phase == "optimizer_step"
+    # a second fit with a fresh optimizer: its first step, whatever this tracker saw before (the old count said later)
+    t.optimizer_ready(False)
+    t.optimizer_step_start()
+    assert t.phase == "first_optimizer_step"
+    assert not hasattr(t, "state_dict")  # nothing to save: a resumed optimizer says it by its state
+
+
+@pytest.mark.parametrize("stage, phase", [("sanity_check", "sanity_check"), ("validate", "validation"),
+                                          ("test", "evaluation"), ("predict", "evaluation"), ("train", "forward"),
+                                          (None, "forward")])
+def test_an_evaluation_loop_is_its_own_phase_whatever_the_block_hooks_set(stage, phase):
+    t = PhaseTracker()
+    t.forward_start()  # block 0's hook fires in validation too
+    assert t.where(stage) == phase
+
+
+def test_under_compile_before_forward_is_the_forward():
+    t = PhaseTracker()
+    assert t.where("train", compiled=False) == "before_forward"
+    assert t.where("train", compiled=True) == "forward"
+    t.backward_start()
+    assert t.where("train", compiled=True) == "backward"
+
+
+@torch.library.custom_op("lightning_ckpt_tests::ran_out", mutates_args=())
+def _ran_out(x: torch.Tensor) -> torch.Tensor:
+    """An allocation that fails inside whatever calls it (a custom op: opaque to the compiler, as a kernel is)."""
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+@_ran_out.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _error_of(fn, *args):
+    try:
+        fn(*args)
+    except torch.OutOfMemoryError as err:
+        return err
+    raise AssertionError("no error")
+
+
+def test_an_error_from_inside_a_compiled_call_is_told_from_an_eager_one():
+    from lightning_ckpt.decide.diagnosis import raised_in_compiled_code
+
+    x = torch.ones(2)
+    assert raised_in_compiled_code(_error_of(torch.compile(lambda t: _ran_out(t * 2), backend="eager"), x))
+    # the custom op's own eager path goes through dynamo's *disable* context: not compiled code
+    assert not raised_in_compiled_code(_error_of(lambda t: _ran_out(t * 2), x))
+
+
+@pytest.mark.parametrize("phase", ["validation", "sanity_check", "evaluation"])
+def test_an_evaluation_phase_gets_no_checkpointing_advice(phase):
+    text = diagnose(phase, {"params": 2.42, "optimizer": 9.69}, capacity=24 * 2**30,
+                    phase_peaks={"forward": 2**30, "backward": 2**31})
+    assert "checkpointing cannot help" in text and "Checkpoint more" not in text
+    assert "batch size" in text and f"during the {phase.replace('_', ' ')} phase" in text
+    assert "Phase peaks" not in text  # the training step's phases are not this loop's
+    assert "No training step was measured" in diagnose(phase)
 
 
 @pytest.mark.parametrize(
@@ -35,6 +92,9 @@ def test_tracker_walks_the_phases_and_knows_the_first_optimizer_step():
         ("backward", "replay transient"),
         ("first_optimizer_step", "lazy optimizer-state allocation"),
         ("optimizer_step", "fragmentation"),
+        ("validation", "validation batch size"),
+        ("sanity_check", "num_sanity_val_steps"),
+        ("evaluation", "test or predict"),
     ],
 )
 def test_each_phase_names_the_seed_suspect(phase, words):
@@ -47,7 +107,7 @@ def test_no_ledger_yet_and_bad_phase():
     assert "No step was measured" in diagnose("forward")
     with pytest.raises(ValueError, match="not one of"):
         diagnose("warmup")
-    assert len(PHASES) == 5
+    assert len(PHASES) == 8
 
 
 def test_diagnosis_is_an_oom_chained_to_the_original():
