@@ -202,3 +202,46 @@ def test_remove_checkpointing_leaves_no_hook_entries():
         plan.retarget("group:2")
         plan.retarget("all")
     assert _hook_entries(model) == 0
+
+
+class Recycling(nn.Module):
+    """Between blocks the block's output dies and a new tensor is made at once: CPython gives the new tensor the dead
+    one's ``id()``, which must not pass for the block's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            x = torch.tanh(x)
+            x = x + 1
+        return x
+
+
+@pytest.mark.parametrize("policy", GROUPS)
+def test_an_id_recycled_by_python_is_not_taken_for_the_previous_output(policy):
+    torch.manual_seed(0)
+    _assert_same_grads(Recycling(), policy, torch.randn(3, 8, requires_grad=True))
+
+
+class MutatesAnInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(p=0.0) for _ in range(2))
+
+    def forward(self, x):
+        h = x + 0
+        y = self.blocks[0](x)
+        y = self.blocks[1](h)  # h is kept as it was for the replay...
+        h.mul_(2)  # ...and changed before backward
+        return y
+
+
+def test_an_input_changed_in_place_before_backward_is_refused_at_replay():
+    model = MutatesAnInput()
+    apply_policy(model, "group:2")
+    out = model(torch.randn(3, 8, requires_grad=True))
+    with pytest.raises(RuntimeError, match=r"do not change a tensor in place after passing it to a block"):
+        out.sum().backward()
