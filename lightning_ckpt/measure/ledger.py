@@ -1,16 +1,32 @@
 """The memory ledger of a training step: which line (parameters, gradients, optimizer state, activations, autocast
 copies, other, allocator cache) holds the memory, and which one dominates. Pure torch (no Lightning).
 
-The model-state lines come from walking the real objects, not from formulas:
+The model-state lines come from walking the real objects, not from formulas, and count storage, not appearance:
+a tensor is the bytes of the storages it holds, each storage once (tied or shared tensors, views, a code map shared
+by several states). A tensor subclass is unwrapped to its inner tensors, recursively: a DTensor to its local shard,
+torchao's 8-bit, 4-bit and float8 optimizer states to their codes, scales and code map (their ``dtype`` says
+float32; their storage is uint8 codes), torchao's ``NF4Tensor`` weights to their packed data and scalers.
+bitsandbytes' quantised weights (``Params4bit``, ``Int8Params``) are plain tensors of packed codes with their
+quantisation state (absmax, code map, nested statistics) attached as attributes: counted with them.
 
-- ``params``: every parameter once (tied or shared tensors deduplicated), ``numel × element_size``.
-- ``grads``: every ``.grad`` that exists right now (``None`` grads cost nothing), including grads of master
-  copies the optimizer updates.
-- ``optimizer``: every tensor reachable from ``optimizer.state`` (moments, step counters, master copies kept in
-  the state), broken down by dtype, plus *master copies held as the optimizer's own parameters* (the optimizer
-  steps fp32 clones while the model holds low-precision weights). ``master`` is the part of ``optimizer`` that
-  is master copies: state entries whose key names a master/fp32 copy of the parameter (``master_param``,
-  ``fp32_param``, ...), and optimizer parameters that are not parameters of the model.
+- ``params``: every parameter.
+- ``grads``: every ``.grad`` that exists right now (``None`` grads cost nothing: frozen parameters have none),
+  including grads of master copies the optimizer updates.
+- ``optimizer``: every tensor reachable from the optimizers' state (moments, step counters, master copies kept in
+  the state), broken down by the dtype of the storage (``uint8`` codes and ``float32`` scales for an 8-bit state),
+  plus *master copies held as the optimizer's own parameters* (the optimizer steps fp32 clones while the model
+  holds low-precision weights). ``master`` is the part of ``optimizer`` that is master copies: state entries whose
+  key names a master/fp32 copy of the parameter (``master_param``, ``fp32_param``, ...), and optimizer parameters
+  that are not parameters of the model. Several optimizers (a list, a Muon + AdamW pair) are summed; an optimizer
+  that holds others (torchao's ``CPUOffloadOptimizer``) is walked through them. Frozen parameters get no state
+  (optimizers create it at the first step with a gradient).
+- ``host``: on an accelerator, the model state kept in host memory (optimizer offload: torchao's
+  ``CPUOffloadOptimizer`` keeps a host copy of each weight, its gradient and the whole optimizer state there, and
+  Adam's step counters are host scalars): a line of its own, never on the device lines.
+- ``paged``: the part of ``optimizer`` in CUDA managed memory (bitsandbytes' paged optimizers, ``PagedAdamW8bit``
+  ...: state tensors over 100k elements). The driver pages it between the device and the host, and the caching
+  allocator does not see it: ``peak_allocated`` leaves it out (so ``other`` does not subtract it), and the
+  ledger's :attr:`~Ledger.notes` say so.
 
 The step lines come from a :class:`~lightning_ckpt.measure.meter.StepReading`: ``activations`` (the activation
 peak), ``autocast_copies`` (the low-precision copies of the weights autocast makes under mixed precision: held by
@@ -50,6 +66,7 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lightning_ckpt.core.units import GiB, format_bytes
 from lightning_ckpt.measure.meter import StepReading
@@ -59,6 +76,9 @@ __all__ = ["LEDGER_LINES", "Ledger", "ModelState", "ModelStateWalk", "build_ledg
 
 LEDGER_LINES = ("params", "grads", "optimizer", "activations", "autocast_copies", "other", "cache")
 """The lines of the ledger, in the order they are printed and logged."""
+
+_COMPRESSED = re.compile(r"u?int[48]$|float8|float4")
+_HOST_WORTH_NAMING = 1 << 20  # below this the host line is Adam's step counters and the like, not an offload
 
 _MASTER_KEY = re.compile(r"master|fp32_?param|param_?fp32|full_precision|hp_param|high_precision", re.IGNORECASE)
 
@@ -73,46 +93,101 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
-def _key(t: torch.Tensor) -> Tuple[Any, ...]:
-    """Identity of the memory a tensor covers: two tensors with the same key are counted once.
+# bitsandbytes keeps a quantised weight's metadata on the parameter object: ``Params4bit.quant_state`` (absmax,
+# code map, nested statistics), ``Int8Params.SCB`` (row scales). Named, not discovered: other libraries hang
+# unrelated tensors on parameters (hooks' buffers, FSDP1 bookkeeping) that are not this parameter's storage.
+_ATTACHED = ("quant_state", "SCB")
 
-    Storage identity rather than the data pointer, so fake tensors (data pointer 0) are told apart too and the
-    forecast (:mod:`lightning_ckpt.forecast.trace`) walks its fake model state with this very function.
-    """
+
+def _attached(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside a quantisation-state object (bitsandbytes' ``QuantState``, its nested ``state2``)."""
+    if isinstance(obj, torch.Tensor):
+        yield from _leaves(obj)
+    elif obj is not None and depth < 3 and hasattr(obj, "__dict__") and not isinstance(obj, (type, nn.Module)):
+        for value in vars(obj).values():
+            yield from _attached(value, depth + 1)
+
+
+def _leaves(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors whose storages hold ``t``: a traceable wrapper subclass (DTensor, torchao's quantised
+    optimizer states and NF4 weights) unwrapped to its inner tensors, recursively, with the quantisation state
+    bitsandbytes attaches to its weights."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        for name in attrs:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh (torch >= 2.10)
+                yield from _leaves(inner)
+        return
+    yield t
+    for name in _ATTACHED:
+        yield from _attached(getattr(t, name, None))
+
+
+def _where(leaf: torch.Tensor) -> torch.device:
+    """The device whose memory holds ``leaf``. bitsandbytes' paged tensors are CPU tensors over CUDA managed memory
+    (``torch.frombuffer`` of a managed pointer) that live on the GPU ``page_deviceid`` until the driver pages them."""
+    if getattr(leaf, "is_paged", False) and getattr(leaf, "page_deviceid", None) is not None:
+        return torch.device("cuda", leaf.page_deviceid)
+    return leaf.device
+
+
+def _storage(leaf: torch.Tensor) -> Tuple[Tuple[Any, ...], int]:
+    """``(key, bytes)`` of the storage behind a plain tensor: the whole storage (a view holds all of it), keyed by
+    its identity on its device so that fake tensors (data pointer 0) are told apart too and the forecast
+    (:mod:`lightning_ckpt.forecast.trace`) walks its fake model state with this very function. A tensor without a
+    storage (sparse, nested) is its own elements."""
     try:
-        return (t.device, storage_key(t.untyped_storage()), t.storage_offset(), t.numel(), t.dtype)
-    except (RuntimeError, NotImplementedError, TypeError):  # no storage at all: identity only
-        return ("id", id(t))
+        st = leaf.untyped_storage()
+        return (leaf.device.type, leaf.device.index, storage_key(st)), st.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return ("id", id(leaf)), leaf.numel() * leaf.element_size()
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _keys(t: torch.Tensor) -> Set[Tuple[Any, ...]]:
+    return {_storage(leaf)[0] for leaf in _leaves(t)}
 
 
 class _Tally:
-    """Bytes of distinct tensors, by dtype."""
+    """Bytes of distinct storages, by dtype, on one device (``None``: every device).
 
-    def __init__(self, device: Optional[torch.device], seen: Optional[Set[Tuple[Any, ...]]] = None) -> None:
+    With a ``host`` tally, storages in host memory (the device being an accelerator) go there instead of being
+    left out: optimizer offload's host line.
+    """
+
+    def __init__(self, device: Optional[torch.device], seen: Optional[Set[Tuple[Any, ...]]] = None,
+                 host: Optional["_Tally"] = None) -> None:
         self.device = device
         self.seen: Set[Tuple[Any, ...]] = seen if seen is not None else set()
+        self.host = host
         self.total = 0
+        self.paged = 0
         self.by_dtype: Dict[str, int] = {}
 
     def add(self, t: Any) -> int:
+        """Count ``t``'s storages not counted yet; returns the bytes added to this line."""
         if not isinstance(t, torch.Tensor):
             return 0
-        t = _local(t)
-        if self.device is not None and not _same_device(t.device, self.device):
+        added = 0
+        for leaf in _leaves(t):
+            where = _where(leaf)
+            if self.device is None or _same_device(where, self.device):
+                added += self._count(leaf)
+            elif self.host is not None and where.type == "cpu":
+                self.host.add(leaf)
+        return added
+
+    def _count(self, leaf: torch.Tensor) -> int:
+        key, n = _storage(leaf)
+        if key in self.seen:
             return 0
-        k = _key(t)
-        if k in self.seen:
-            return 0
-        self.seen.add(k)
-        n = _nbytes(t)
+        self.seen.add(key)
         if n:
             self.total += n
-            name = _dtype_name(t.dtype)
+            name = _dtype_name(leaf.dtype)
             self.by_dtype[name] = self.by_dtype.get(name, 0) + n
+            if getattr(leaf, "is_paged", False):
+                self.paged += n
         return n
 
 
@@ -136,17 +211,20 @@ def _tensors(obj: Any) -> Iterator[Tuple[str, torch.Tensor]]:
 
 @dataclass(frozen=True)
 class ModelState:
-    """Bytes held by the model and its optimizers, measured by walking the real tensors.
+    """Bytes held by the model and its optimizers, measured by walking the real storages.
 
     Attributes:
         params: distinct parameter bytes.
-        params_by_dtype: ``params`` per dtype name (``"bfloat16"``, ``"float32"``, ...).
+        params_by_dtype: ``params`` per storage dtype name (``"bfloat16"``, ``"uint8"`` for packed 4-bit, ...).
         grads: bytes of the ``.grad`` tensors that exist (model parameters and optimizer-held master copies).
         grads_by_dtype: ``grads`` per dtype name.
         optimizer: every optimizer-held byte: the state walk plus master copies held as optimizer parameters.
-        optimizer_by_dtype: ``optimizer`` per dtype name.
+        optimizer_by_dtype: ``optimizer`` per storage dtype name.
         master: the part of ``optimizer`` that is master copies of the parameters.
         master_by_dtype: ``master`` per dtype name.
+        host: model state in host memory while the device is an accelerator (optimizer offload), on no other line.
+        paged: the part of ``optimizer`` in CUDA managed memory (bitsandbytes' paged optimizers).
+        notes: what the lines cannot say by themselves (a paged optimizer's memory is invisible to the allocator).
     """
 
     params: int = 0
@@ -157,14 +235,47 @@ class ModelState:
     optimizer_by_dtype: Dict[str, int] = field(default_factory=dict)
     master: int = 0
     master_by_dtype: Dict[str, int] = field(default_factory=dict)
+    host: int = 0
+    paged: int = 0
+    notes: Tuple[str, ...] = ()
+
+
+# An optimizer that steps others: torchao's CPUOffloadOptimizer holds one per offloaded weight (``optim_dict``)
+# and one for the small weights it keeps on the device (``d_opt``); its own ``state`` does not exist.
+_INNER_OPTIMIZERS = ("optim_dict", "d_opt")
 
 
 def _as_optimizers(optimizers: Any) -> Sequence[Any]:
+    """Every optimizer to walk, once: the given ones and the optimizers they hold."""
     if optimizers is None:
         return []
-    if hasattr(optimizers, "state") and hasattr(optimizers, "param_groups"):
-        return [optimizers]
-    return list(optimizers)
+    given = [optimizers] if hasattr(optimizers, "param_groups") else list(optimizers)
+    out: list = []
+    seen: Set[int] = set()
+
+    def visit(opt: Any) -> None:
+        if opt is None or id(opt) in seen:
+            return
+        seen.add(id(opt))
+        out.append(opt)
+        for name in _INNER_OPTIMIZERS:
+            inner = getattr(opt, name, None)
+            for sub in inner.values() if isinstance(inner, Mapping) else [inner]:
+                if hasattr(sub, "param_groups"):
+                    visit(sub)
+
+    for opt in given:
+        visit(opt)
+    return out
+
+
+def _paged_note(optimizers: Sequence[Any]) -> Tuple[str, ...]:
+    names = sorted({type(opt).__name__ for opt in optimizers if getattr(opt, "is_paged", False) is True})
+    if not names:
+        return ()
+    return (f"{', '.join(names)} is a paged optimizer: on CUDA its larger state tensors live in managed memory, "
+            "which the allocator's peaks do not count and the driver may move to host memory under pressure; "
+            "the optimizer line counts them, peak allocated and reserved do not.",)
 
 
 def state_tensors(model: nn.Module, optimizers: Union[Any, Iterable[Any], None] = ()) -> Iterator[torch.Tensor]:
@@ -198,27 +309,31 @@ def model_state_bytes(
         model: the model whose parameters and gradients are counted.
         optimizers: a ``torch.optim.Optimizer`` (or anything with ``state`` and ``param_groups``, such as
             Lightning's ``LightningOptimizer``), or several.
-        device: count only tensors on this device (e.g. the rank's GPU, leaving CPU-offloaded optimizer state
-            and CPU step counters out); ``None`` counts every device.
+        device: count the device lines on this device (the rank's GPU); on an accelerator, what is in host memory
+            goes to the ``host`` line and other devices' tensors are left out. ``None`` counts every device on
+            the device lines (no host line).
 
     Returns:
         A :class:`ModelState`. Adam's moments appear only after its first ``step()`` (it allocates them lazily).
     """
     dev = torch.device(device) if device is not None else None
-    params_t = _Tally(dev)
-    grads_t = _Tally(dev)
+    host = _Tally(None) if dev is not None and dev.type != "cpu" else None
+    params_t = _Tally(dev, host=host)
+    grads_t = _Tally(dev, host=host)
     model_params = list(model.parameters())
     for p in model_params:
         params_t.add(p)
         grads_t.add(p.grad)
-    model_param_keys = {_key(_local(p)) for p in model_params}
+    model_ids = {id(p) for p in model_params}
+    model_keys = set().union(*(_keys(p) for p in model_params)) if model_params else set()
 
-    opt_t = _Tally(dev, seen=set(params_t.seen))  # a state entry aliasing a parameter is not extra memory
+    optimizers = _as_optimizers(optimizers)
+    opt_t = _Tally(dev, seen=set(params_t.seen), host=host)  # a state entry aliasing a parameter is not extra memory
     master_t = _Tally(dev)
-    for opt in _as_optimizers(optimizers):
+    for opt in optimizers:
         for group in getattr(opt, "param_groups", ()):
             for p in group.get("params", ()):
-                if isinstance(p, torch.Tensor) and _key(_local(p)) not in model_param_keys:
+                if isinstance(p, torch.Tensor) and id(p) not in model_ids and not _keys(p) <= model_keys:
                     # the optimizer steps a tensor the model does not own: a master copy
                     if opt_t.add(p):
                         master_t.add(p)
@@ -236,6 +351,9 @@ def model_state_bytes(
         optimizer_by_dtype=opt_t.by_dtype,
         master=master_t.total,
         master_by_dtype=master_t.by_dtype,
+        host=host.total if host is not None else 0,
+        paged=opt_t.paged,
+        notes=_paged_note(optimizers),
     )
 
 
@@ -301,6 +419,9 @@ class Ledger:
             memory: model state included), when measured.
         allocator_note: why the allocator-derived lines are left out (``None``: they are comparable); see the
             module docstring.
+        host: model state in host memory (optimizer offload): not on any device line (see the module docstring).
+        paged: the part of ``optimizer`` in CUDA managed memory, which ``peak_allocated`` does not count.
+        notes: what the lines cannot say by themselves (:attr:`ModelState.notes`); the diagnosis repeats them.
     """
 
     params: int
@@ -317,6 +438,9 @@ class Ledger:
     capacity: Optional[int] = None
     phase_peaks: Optional[Dict[str, int]] = None
     allocator_note: Optional[str] = None
+    host: int = 0
+    paged: int = 0
+    notes: Tuple[str, ...] = ()
 
     @property
     def allocator_comparable(self) -> bool:
@@ -327,8 +451,8 @@ class Ledger:
         """This ledger with another activation figure (``other`` follows: the allocator's peak is unchanged)."""
         other = None
         if self.peak_allocated is not None:
-            other = max(0, self.peak_allocated - self.params - self.grads - self.optimizer - activations
-                        - (self.autocast_copies or 0))
+            other = _other(self.peak_allocated, self.params, self.grads, self.optimizer - self.paged, activations,
+                           self.autocast_copies)
         return dataclasses.replace(self, activations=activations, other=other)
 
     @property
@@ -384,8 +508,9 @@ class Ledger:
 
         Keys: ``params_gib``, ``grads_gib``, ``optimizer_gib``, ``activations_gib``, ``autocast_copies_gib``,
         ``peak_allocated_gib``, ``peak_forward_gib``, ``peak_backward_gib``, ``peak_optimizer_gib``,
-        ``peak_reserved_gib``, ``other_gib``, ``cache_gib``, and ``optimizer_master_gib`` (part of
-        ``optimizer_gib``) only when master copies exist.
+        ``peak_reserved_gib``, ``other_gib``, ``cache_gib``, ``optimizer_master_gib`` (part of
+        ``optimizer_gib``) only when master copies exist, and ``host_gib`` only when model state is in host
+        memory.
         """
         values = {
             "params": self.params,
@@ -398,6 +523,7 @@ class Ledger:
             "other": self.other,
             "cache": self.cache,
             "optimizer_master": self.master or None,
+            "host": self.host or None,
             **{f"peak_{phase}": v for phase, v in (self.phase_peaks or {}).items()},
         }
         root = f"{prefix}/" if prefix else ""
@@ -428,12 +554,25 @@ class Ledger:
             "cache": "the allocator holds unused blocks: fragmentation; try "
                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before changing the model.",
         }[top]
-        return f"{head}: {advice}"
+        if top == "optimizer" and self.compressed_state:
+            advice = ("checkpointing cannot help, and the state is already compressed (8 bits or fewer per value): "
+                      "shard the state (FSDP/ZeRO), offload it to host memory, or train fewer parameters (LoRA).")
+        tail = ""
+        if self.host >= _HOST_WORTH_NAMING:
+            tail = f" Host memory holds another {format_bytes(self.host)} of model state (offloaded), on no line above."
+        return f"{head}: {advice}{tail}" + "".join(f" {note}" for note in self.notes)
+
+    @property
+    def compressed_state(self) -> bool:
+        """Whether the optimizer state is stored in 8 bits or fewer per value (an 8-bit, 4-bit or float8 state)."""
+        return any(_COMPRESSED.match(name) for name in self.optimizer_by_dtype)
 
     def __str__(self) -> str:
         rows = [f"{name:<12} {format_bytes(v):>12}" for name, v in self.lines().items()]
         if self.master:
             rows.append(f"{'  (master)':<12} {format_bytes(self.master):>12}")
+        if self.host:
+            rows.append(f"{'host':<12} {format_bytes(self.host):>12}")
         for name in ("peak_allocated", "peak_reserved", "capacity"):
             v = getattr(self, name)
             if v is not None:
@@ -473,7 +612,7 @@ def build_ledger(
     phase_peaks = reading.phase_peaks if comparable else None
     other = cache = None
     if peak_allocated is not None and activations is not None:
-        other = max(0, peak_allocated - state.params - state.grads - state.optimizer - activations - (copies or 0))
+        other = _other(peak_allocated, state.params, state.grads, state.optimizer - state.paged, activations, copies)
     if peak_allocated is not None and peak_reserved is not None:
         cache = peak_reserved - peak_allocated
     return Ledger(
@@ -491,4 +630,13 @@ def build_ledger(
         capacity=capacity,
         phase_peaks=phase_peaks,
         allocator_note=allocator_note,
+        host=state.host,
+        paged=state.paged,
+        notes=tuple(state.notes),
     )
+
+
+def _other(peak_allocated: int, params: int, grads: int, allocated_optimizer: int, activations: int,
+           copies: Optional[int]) -> int:
+    """The allocator's peak less the lines it counts (a paged optimizer state is not among them), floored at 0."""
+    return max(0, peak_allocated - params - grads - allocated_optimizer - activations - (copies or 0))
