@@ -350,3 +350,125 @@ def test_the_timeline_puts_the_batch_with_the_temporaries_not_the_optimizer_stat
     batch_bytes = sum(t.numel() * t.element_size() for t in (batch if isinstance(batch, (list, tuple)) else [batch])
                       if isinstance(t, torch.Tensor))
     assert timeline.layers["temporaries"][0] >= batch_bytes > 0
+
+
+# ---------------------------------------------------------- the first optimizer step is the optimizer's (issue 34)
+
+
+class FailsAtCall(PhaseModel):
+    """Its optimizer's ``call``-th step (in this fit) runs out of memory."""
+
+    def __init__(self, call, **kw):
+        super().__init__("none", **kw)
+        self.call = call
+
+    def configure_optimizers(self):
+        return _OOMAdam(self.parameters(), self.call, lr=1e-3)
+
+
+def _phase_of_error(tmp_path, cb, model, ckpt_path=None):
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=4, log_every_n_steps=1, limit_val_batches=0,
+                                       num_sanity_val_steps=0), callbacks=[cb])
+    with pytest.raises(OutOfMemoryDiagnosis) as err:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    return err.value
+
+
+def test_a_second_fit_with_a_fresh_optimizer_is_told_its_first_step(tmp_path):
+    """The old tracker counted steps for the callback's lifetime: the second fit's fresh Adam, with no state, was
+    told "a later optimizer.step(): the state already existed"."""
+    seed_everything(0)
+    cb = ActivationCheckpointing(policy="every:2")
+    Trainer(**trainer_kwargs(tmp_path / "one", max_steps=2, limit_val_batches=0, num_sanity_val_steps=0),
+            callbacks=[cb]).fit(TinyTransformer())
+    error = _phase_of_error(tmp_path / "two", cb, FailsAtCall(1))
+    assert error.phase == "first_optimizer_step" and "lazy optimizer-state allocation" in str(error)
+
+
+def test_a_resumed_optimizer_with_state_is_told_a_later_step(tmp_path):
+    """A resumed run's first step updates a restored state (the old tracker, counting from 0, blamed lazy
+    optimizer-state allocation and said checkpointing would not rescue the run)."""
+    seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    Trainer(**trainer_kwargs(tmp_path / "one", max_steps=2, limit_val_batches=0, num_sanity_val_steps=0,
+                             enable_checkpointing=True),
+            callbacks=[ActivationCheckpointing(policy="every:2"), ckpt]).fit(TinyTransformer())
+    path = next((tmp_path / "ckpt").glob("*.ckpt"))
+    error = _phase_of_error(tmp_path / "two", ActivationCheckpointing(policy="every:2"), FailsAtCall(1),
+                            ckpt_path=str(path))
+    assert error.phase == "optimizer_step" and "the optimizer state already existed" in str(error)
+
+
+def test_sgd_without_state_is_told_its_first_step_only_once(tmp_path):
+    """An optimizer that keeps no state (SGD without momentum) has stepped before: a later step."""
+
+    class SGDFails(FailsAtCall):
+        def configure_optimizers(self):
+            class OOMSGD(torch.optim.SGD):
+                calls = 0
+
+                def step(inner, closure=None):  # noqa: N805 - the optimizer's own self
+                    loss = closure() if closure is not None else None
+                    inner.calls += 1
+                    if inner.calls == self.call:
+                        raise torch.OutOfMemoryError(OOM)
+                    super().step()
+                    return loss
+
+            return OOMSGD(self.parameters(), lr=1e-3)
+
+    assert _phase_of_error(tmp_path / "first", ActivationCheckpointing(), SGDFails(1)).phase == "first_optimizer_step"
+    assert _phase_of_error(tmp_path / "later", ActivationCheckpointing(), SGDFails(3)).phase == "optimizer_step"
+
+
+# ------------------------------------------------------------------------- a compiled forward is a forward (issue 34)
+
+
+@torch.library.custom_op("lightning_ckpt_tests::allocate", mutates_args=())
+def _allocate(x: torch.Tensor, fail: bool) -> torch.Tensor:
+    """A kernel's allocation inside the compiled graph (opaque to the compiler): fails when ``fail``."""
+    if fail:
+        raise torch.OutOfMemoryError(OOM)
+    return x.clone()
+
+
+@_allocate.register_fake
+def _(x, fail):
+    return torch.empty_like(x)
+
+
+_allocate.register_autograd(lambda ctx, grad: (grad, None))
+
+
+class CompiledForward(TinyTransformer):
+    """The whole forward compiled (the eager backend: no C++ compiler needed); step ``at_step``'s forward runs out
+    of memory inside the compiled graph, in block 2."""
+
+    def __init__(self, at_step=2, **kw):
+        super().__init__(**kw)
+        self.at_step, self.fail = at_step, [False]
+
+    def configure_model(self):
+        super().configure_model()
+        self.forward = torch.compile(self.forward, backend="eager")
+
+    def forward(self, x):
+        h = self.embed(x)
+        for i, layer in enumerate(self.layers):
+            h = layer(_allocate(h, self.fail[0]) if i == 2 else h)
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        self.fail[0] = self.trainer.global_step == self.at_step
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_oom_inside_a_compiled_forward_is_named_the_forward(tmp_path):
+    """The phase hook on block 0 is traced into the compiled graph, whose side effects are applied after it returns:
+    the old diagnosis said "before forward ... activation checkpointing cannot help here". (Policy 'none': the test
+    blocks count their calls, a mutation dynamo breaks the graph on inside a checkpointed region, which would run the
+    hook eagerly.)"""
+    seed_everything(0)
+    error = _phase_of_error(tmp_path, ActivationCheckpointing(policy="none"), CompiledForward())
+    assert error.phase == "forward" and "retained activations" in str(error)
+    assert "cannot help here" not in str(error)

@@ -25,10 +25,11 @@ class InjectOOM(TinyTransformer):
         super().__init__(**kw)
         self.at, self.phase, self.fired = at, phase, False
         self.attempts = []
+        self.fire_in_epoch = 0
 
     def training_step(self, batch, batch_idx):
         self.attempts.append(batch_idx)
-        if batch_idx == self.at and not self.fired:
+        if batch_idx == self.at and not self.fired and self.current_epoch == self.fire_in_epoch:
             self.fired = True
             if self.phase == "forward":
                 raise torch.OutOfMemoryError(OOM)
@@ -56,11 +57,11 @@ class GradsAtStep(Callback):
                            if p.grad is not None})
 
 
-def _fit(tmp_path, model, cb, steps=3, **overrides):
+def _fit(tmp_path, model, cb, steps=3, callbacks=(), **overrides):
     grads = GradsAtStep()
     run = dict(max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1)
     run.update(overrides)
-    trainer = Trainer(callbacks=[cb, grads], **trainer_kwargs(tmp_path, **run))
+    trainer = Trainer(callbacks=[cb, grads, *callbacks], **trainer_kwargs(tmp_path, **run))
     trainer.fit(model)
     return trainer, grads.grads
 
@@ -707,3 +708,32 @@ def test_quiet_steps_never_synchronize_the_device(tmp_path):
     trainer.fit(TinyTransformer(batch_size=4, optimizer="sgd"))
     assert cb.plan.num_checkpointed > 0 and quiet.quiet_steps >= 4
     assert cb.last_metrics["memory/peak_allocated_gib"] > 0
+
+
+# ---------------------------------------------------------------- accumulation set by Lightning's scheduler (issue 34)
+
+
+@pytest.mark.parametrize("schedule", [{0: 2}, {0: 1, 1: 2}], ids=["from epoch 0", "from epoch 1"])
+def test_a_backward_retried_under_an_accumulation_scheduler_counts_its_gradients_once(tmp_path, schedule):
+    """GradientAccumulationScheduler sets ``accumulate_grad_batches`` at an epoch's start, after the fit started: the
+    guard reads it at every step, so the failed backward's gradients are taken back (the old guard read 1 at fit
+    start, kept no journal, and the retried step's gradients differed from a clean run's)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    epoch = max(schedule)  # the first epoch that accumulates: 16 samples of 4 are 4 batches an epoch
+    steps = (4 if epoch else 0) + 3
+    seed_everything(0)
+    _, expected = _fit(tmp_path / "ref", InjectOOM(optimizer="sgd", batch_size=4, n_samples=16),
+                       ActivationCheckpointing(policy="none"), steps=steps,
+                       callbacks=[GradientAccumulationScheduler(schedule)])
+    at = 3  # the last micro-batch of the accumulating epoch's second window
+    seed_everything(0)
+    model = InjectOOM(at=at, phase="backward", optimizer="sgd", batch_size=4, n_samples=16)
+    model.fire_in_epoch = epoch
+    _, got = _fit(tmp_path / "oom", model, ActivationCheckpointing(policy="none", on_oom="escalate"), steps=steps,
+                  callbacks=[GradientAccumulationScheduler(schedule)])
+    assert model.fired and get_plan(model).spec == "every:2"
+    assert len(got) == len(expected) == steps
+    for step in range(steps):
+        for name, grad in expected[step].items():
+            assert torch.equal(got[step][name], grad), f"step {step} {name}"
