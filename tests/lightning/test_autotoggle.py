@@ -222,3 +222,27 @@ def test_a_fractional_threshold_follows_the_capacity_read_after_the_strategys_se
     engine = cb._engine
     assert engine.capacity == 9 * GiB and engine.controller.threshold == int(0.5 * 9 * GiB)
     assert engine.monitor.capacity == 9 * GiB
+
+
+def test_the_auto_toggle_does_not_walk_back_into_a_policy_that_ran_out_of_memory(tmp_path):
+    """Issue 34: with a threshold far above every reading, the old controller stepped down after each ``cooldown``
+    of calm steps into the policy that had just run out of memory (7 errors in 12 steps with cooldown=2). The
+    escalation now marks each failed policy; the run stays on 'all' and its checkpoint resumes there, marks kept."""
+    cb = ActivationCheckpointing(policy="none", on_oom="escalate", auto_threshold="1TiB", cooldown=2)
+    model = OOMUnlessCheckpointed(batch_size=16)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
+    _, levels, trainer = _fit(tmp_path / "first", cb, steps=12, model=model, enable_checkpointing=True,
+                              callbacks=[ckpt])
+    assert model.steps_seen == [0, 0, 0, 1, 2, 3] + [0, 1, 2, 3] * 2  # none, every:2 failed once each, on batch 0
+    assert set(levels.policies[1:]) == {"all"} and cb.controller.level == 2
+    assert set(cb.controller.state_dict()["out_of_memory"]) == {"0", "1"}
+    assert cb.controller.pair_ratio == {}  # no pair of neighbours was measured around a move of the controller's
+
+    path = sorted((tmp_path / "ckpt").glob("*.ckpt"))[0]  # step 6
+    resumed = ActivationCheckpointing(policy="none", on_oom="escalate", auto_threshold="1TiB", cooldown=2)
+    again = OOMUnlessCheckpointed(batch_size=16)
+    levels2 = Levels()
+    seed_everything(0)
+    Trainer(**trainer_kwargs(tmp_path / "second", max_steps=12, log_every_n_steps=1, limit_val_batches=0,
+                             num_sanity_val_steps=0), callbacks=[resumed, levels2]).fit(again, ckpt_path=str(path))
+    assert set(levels2.policies) == {"all"} and len(again.steps_seen) == 6  # no error, no retry after the resume
