@@ -20,7 +20,12 @@ Grammar (``parse_policy``):
 ``budget:18GiB``             reserved: the cheapest plan whose measured activation peak fits (needs measurement)
 ===========================  ==================================================================================
 
-Per-block modes (:data:`MODES`, and ``modes:off,recompute,compiler:0.5,...``) also include
+One case rule: the string is case-insensitive and read lower-cased (names, modes, op names; a budget's size keeps
+its units as written in ``spec``). Numbers are the ASCII digits 0-9 only (``int()`` would read ``2_0`` and ``٢``).
+``group:K`` regions stay within one stack (:meth:`GroupPolicy.layout`'s ``stacks``).
+
+Per-block modes (:data:`MODES`, and ``modes:off,recompute,compiler:0.5,...``, ending in ``save=gelu+mm`` when the
+save list of its ``selective`` blocks is not the default one) also include
 ``compiler:<fraction>``: no checkpoint wrapper; the block's compiled graph runs under
 ``torch.autograd.graph.region_activation_memory_budget(fraction)``, so the compiler's min-cut partitioner chooses
 per operator what the block keeps (``0.0``: as little as a full recompute, ``1.0``: as ``off``). It needs the block
