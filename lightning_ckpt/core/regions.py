@@ -11,6 +11,7 @@ block is called:
   Face's LayerDrop): the CPU generator and the generators the region restores are compared;
 - the previous block's outputs not changed in place by the parent (their version counters), and recognised by
   identity while a reference is held (``id()`` alone is recycled by Python);
+- autocast as it was when the region opened (the replay runs all its blocks under that state);
 - the saved-tensor hooks as they were: between two blocks the region's own hooks are taken off, so the parent's
   saves go through the user's hooks (``save_on_cpu``) exactly as without checkpointing.
 
@@ -96,6 +97,13 @@ def _rng_snapshot(device_type: str, devices: List[int]) -> List[torch.Tensor]:
     return states
 
 
+def _autocast_state(device_type: str) -> Tuple[Any, ...]:
+    """What the frame's replay restores of autocast: enabled and dtype, on the CPU and the region's device type."""
+    types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
+    return tuple((torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
+                 if torch.amp.is_autocast_available(t))
+
+
 def _same_hooks(a, b) -> bool:
     if a is None or b is None:
         return a is b
@@ -126,7 +134,8 @@ class _Pass:
         self.held: List[Tuple[torch.Tensor, int]] = []  # inputs kept as they were, with their versions
         self.prev: Dict[int, Tuple[int, torch.Tensor, int]] = {}  # id -> (leaf index, tensor, version)
         self.rng: Optional[List[torch.Tensor]] = None
-        self.devices = _rng_devices(args, kwargs) if self.options.preserve_rng_state else ("cpu", [])
+        self.devices = _rng_devices(args, kwargs)
+        self.autocast = _autocast_state(self.devices[0])
         self.frame_hooks = None
         self.gap_hooks = None
         self.in_gap = False
@@ -171,6 +180,8 @@ class _Pass:
             return "its blocks were not called back to back in order"
         if not _same_hooks(_hooks._top_saved_tensors_default_hooks(False), self.gap_hooks):
             return "the saved-tensor hooks changed between its blocks"
+        if _autocast_state(self.devices[0]) != self.autocast:
+            return "autocast is switched between its blocks"
         if self.rng is not None:
             now = _rng_snapshot(*self.devices)
             if len(now) != len(self.rng) or not all(torch.equal(a, b) for a, b in zip(now, self.rng)):

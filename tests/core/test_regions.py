@@ -245,3 +245,80 @@ def test_an_input_changed_in_place_before_backward_is_refused_at_replay():
     out = model(torch.randn(3, 8, requires_grad=True))
     with pytest.raises(RuntimeError, match=r"do not change a tensor in place after passing it to a block"):
         out.sum().backward()
+
+
+class AutocastBetween(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(p=0.0) for _ in range(4))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i % 2 == 1):
+                x = block(x)
+            x = x.float()
+        return x
+
+
+@pytest.mark.parametrize("policy", GROUPS)
+def test_autocast_switched_between_blocks_keeps_gradients(policy):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _assert_same_grads(AutocastBetween(), policy, torch.randn(3, 8))
+
+
+class RaisesBetween(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x, fail=False):
+        x = self.blocks[0](x)
+        if fail:
+            raise KeyError("the parent's own error")
+        for block in self.blocks[1:]:
+            x = block(x)
+        return x
+
+
+def test_an_error_of_the_parent_between_blocks_leaves_no_hooks_behind():
+    model = RaisesBetween()
+    apply_policy(model, "group:4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(KeyError):
+            model(torch.randn(2, 8), fail=True)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        model(torch.randn(2, 8)).sum().backward()
+
+
+def _tiny_bart():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=6, decoder_layers=6, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+        dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(config)
+
+
+def test_a_six_plus_six_bart_under_group_sqrt_trains_bitwise():
+    model = _tiny_bart()
+    model.train()
+    reference = copy.deepcopy(model)
+    plan = apply_policy(model, "group:sqrt")
+    assert plan.layout.groups == ((0, 3), (3, 6), (6, 9), (9, 12))
+    ids = torch.randint(4, 64, (2, 10))
+    grads = []
+    for m in (reference, model):
+        torch.manual_seed(1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # LayerDrop's draw splits the regions
+            m(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
