@@ -45,16 +45,26 @@ from __future__ import annotations
 
 import bisect
 import copy
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from lightning_ckpt.core.policy import COMPILER_MODE, compiler_fraction, compiler_modes
 from lightning_ckpt.core.units import format_bytes
 
-__all__ = ["COMPILER_FRACTIONS", "SOLVER_MODES", "BlockCost", "BudgetCalibration", "BudgetPlan", "ModeCost",
-           "mode_mix", "plan_budget", "predict_peak", "run_eagerly", "smallest_budget"]
+__all__ = ["BUDGET_MARGIN", "COMPILER_FRACTIONS", "MAX_VERIFICATIONS", "SOLVER_MODES", "BlockCost", "BudgetCalibration",
+           "BudgetPlan", "ModeCost", "mode_mix", "plan_budget", "predict_peak", "run_eagerly", "smallest_budget"]
 
 SOLVER_MODES = ("off", "selective", "recompute", "offload", COMPILER_MODE)
+BUDGET_MARGIN = 0.02
+"""A plan runs under ``budget:`` only when its predicted activation peak is at most ``(1 - BUDGET_MARGIN) × budget``:
+the room left for what a prediction can miss on a device (allocator rounding, a kernel the trace did not see). A
+step that reads above its prediction by more than this share of the budget corrects the prediction before the next
+step."""
+MAX_VERIFICATIONS = 4
+"""Steps the chosen plan (and each correction of it) may take to be verified before the fastest plan measured within
+the budget is kept for good."""
 COMPILER_FRACTIONS = (0.0, 0.25, 0.5, 0.75)
 """The compiler budgets offered per block when the blocks are compiled one by one: with ``off``, ``recompute`` and
 ``selective`` that is 7 graphs per block class, under dynamo's default ``recompile_limit`` of 8."""
@@ -139,9 +149,11 @@ class BudgetPlan:
         modes: one mode per block: ``off``, ``selective``, ``recompute``, ``offload`` or ``compiler:<f>``.
         predicted_peak: bytes, under the peak model above.
         recompute_s: total time the plan adds per step (replays and copies).
-        fits: whether ``predicted_peak <= budget``.
+        fits: whether ``predicted_peak`` is within the budget (under the calibration: within the budget less its
+            margin, :data:`BUDGET_MARGIN`).
         budget: the budget asked for (bytes).
-        smallest_budget: the smallest budget any plan of these modes fits (bytes).
+        smallest_budget: the smallest budget any plan of these modes fits (bytes; under the calibration, with the
+            margin left free).
         choices: per block, the :class:`ModeCost` chosen and the ``off`` cost, for :meth:`summary`.
     """
 
@@ -377,8 +389,21 @@ class BudgetCalibration:
        class is timed on its own in every mode, as training runs it (:mod:`lightning_ckpt.decide.block_timing`).
     2. Time is noisy on a shared machine: blocks of one class share the median of their measured times per mode
        (a Transformer's blocks are alike); bytes stay per block.
-    3. :func:`plan_budget` picks the plan; the step after it is measured and compared with the prediction; if it
-       does not fit, the budget is lowered by the overshoot and the plan is chosen again, once.
+    3. :func:`plan_budget` picks the plan within ``(1 - margin) × budget``; the step after it is measured and
+       compared with the prediction. A reading off by more than ``margin × budget`` corrects the prediction (the
+       bases move by the difference, and the plan competes with its measured peak from then on), the plan is chosen
+       again and the new choice is verified on the next step, up to :data:`MAX_VERIFICATIONS` steps; then the
+       fastest plan measured within the budget is kept.
+
+    **No stage above the budget.** With ``predict`` (the edge passes the plan's activation peak traced on fake
+    tensors at the calibration's shape), every stage is predicted before it runs: the traced peak times the device's
+    bytes per traced byte, read from the stages already run (the largest ratio seen; the first stage, every block
+    recomputed, is the plan with the least kept and runs first). A stage predicted above ``(1 - margin) × budget``
+    is replaced by stronger stages that measure what it was to measure (:meth:`_stronger_stages`), before it runs,
+    exactly as a stage that ran out of memory is; a block that fits ``off`` in no stage is priced with the interior
+    of a block of its class, else with what its replay creates (an upper bound). Only the stage with nothing left
+    to strengthen (every block recomputed or stronger) runs whatever its prediction: it is the plan with the lowest
+    peak, and a budget below it is reported (the run's plan then is the one with the lowest predicted peak).
     4. A step that runs out of memory (the caller calls :meth:`out_of_memory` and retries it under a stronger plan
        of its own) is no stage: what the stage had measured is taken back, its plan is recorded as not fitting
        (:attr:`unfit`), and the retried step is recorded as nothing. The stage is replaced by stronger stages that
@@ -413,12 +438,24 @@ class BudgetCalibration:
             tensors, :mod:`lightning_ckpt.decide.pricing`).
         choose: choose and apply a plan when the stages are over (``False``: measure only; :meth:`costs` and
             :attr:`base` hold what was measured).
+        predict: ``predict(modes) -> bytes``: the plan's activation peak traced on fake tensors at the calibration's
+            shape (``None`` when it cannot be traced); given, no stage runs that is predicted above the budget.
+        margin: the share of the budget kept free by prediction (:data:`BUDGET_MARGIN`).
     """
 
     def __init__(self, plan, meter, budget: int, synchronize=None, apply=None,
                  modes: Sequence[str] = ("recompute", "selective"), block_caller=None, repeats: int = 5,
-                 compiler_fractions: Sequence[float] = (), times: bool = True, choose: bool = True) -> None:
+                 compiler_fractions: Sequence[float] = (), times: bool = True, choose: bool = True,
+                 predict: Optional[Callable[[Tuple[str, ...]], Optional[int]]] = None,
+                 margin: float = BUDGET_MARGIN) -> None:
         self.plan, self.meter, self.budget = plan, meter, budget
+        self.predict, self.margin = predict, margin
+        self._unit: Optional[float] = None  # device bytes per traced byte, the largest ratio the stages read
+        self._raised = 0  # bytes the bases were raised by after a verifying step read above its prediction
+        self._verifications = 0
+        self._paused = False  # a prediction's fake step is running: the hooks measure nothing
+        self.worst_step: Optional[Tuple[int, Tuple[str, ...]]] = None  # the highest activation peak read, its plan
+        self.predictions: Dict[Tuple[str, ...], int] = {}  # each plan run: its peak predicted before it ran
         self.synchronize = synchronize or (lambda: None)
         self.apply = apply or plan.set_modes
         self.modes = tuple(m for m in modes if m != "off")
@@ -487,6 +524,45 @@ class BudgetCalibration:
     def done(self) -> bool:
         return self.stage > len(self.stages)
 
+    @property
+    def target(self) -> int:
+        """The activation peak a plan must be predicted within to run: the budget less the margin (bytes)."""
+        return int(self.budget * (1 - self.margin))
+
+    def predicted(self, modes: Sequence[str]) -> Optional[int]:
+        """The activation peak ``modes`` is predicted to reach at the calibration's shape before it runs (bytes, the
+        device's): its measured peak where it ran, else its traced peak times the device's bytes per traced byte
+        (``offload`` counted as ``off``, which keeps at least as much on the device); ``None`` without ``predict``."""
+        modes = tuple(modes)
+        ran = dict(self._calibration_peaks)
+        if modes in ran:
+            return ran[modes]
+        if self.predict is None:
+            return None
+        traced = self._traced(tuple("off" if m == "offload" else m for m in modes))
+        return None if traced is None else round(traced * (self._unit or 1.0))
+
+    def _traced(self, modes: Tuple[str, ...]) -> Optional[int]:
+        """``predict(modes)``, with this calibration's hooks deaf to the fake step it runs."""
+        self._paused = True
+        try:
+            return self.predict(modes)
+        finally:
+            self._paused = False
+
+    def _learn_unit(self, modes: Sequence[str], activations: int) -> None:
+        """A bytes stage ran: the device's bytes per traced byte, the largest ratio read so far (offload's stages
+        leave bytes on the host, which a trace does not: they teach nothing)."""
+        if self.predict is None or "offload" in modes:
+            return
+        traced = self._traced(tuple(modes))
+        if traced:
+            self._unit = max(self._unit or 0.0, activations / traced)
+
+    def _note_step(self, modes: Sequence[str], activations: int) -> None:
+        if self.worst_step is None or activations > self.worst_step[0]:
+            self.worst_step = (activations, tuple(modes))
+
     def begin_step(self) -> None:
         """Before the first micro-batch of an optimizer step: set the modes for this stage (on the verifying step
         after a retried one, the chosen plan again)."""
@@ -494,7 +570,11 @@ class BudgetCalibration:
         self._skip_unfit_stages()
         if self.calibrating:
             self._snapshot = self._measurements()
-            self.apply(self._stage_modes(self.stage))
+            modes = tuple(self.stages[self.stage][1])
+            predicted = self.predicted(modes)
+            if predicted is not None:
+                self.predictions.setdefault(modes, predicted)
+            self.apply(list(modes))
             if not self._handles:
                 self._install()
         elif not self.done and self.chosen is None:  # the last stages were replaced by none: choose now
@@ -513,21 +593,55 @@ class BudgetCalibration:
             return
         if self.calibrating:
             _, modes, kind = self.stages[self.stage]
+            self._note_step(modes, activations)
             if kind == "bytes":
+                self._learn_unit(modes, activations)
                 self._calibration_peaks.append((modes, activations))
             self.stage += 1
+            self._snapshot = None  # the stage is counted: a later discarded step takes nothing of it back
             self._skip_unfit_stages()
             if not self.calibrating:
                 self._finish()
             return
         if not self.done:
-            self.measured = activations
-            self.messages.append(f"budget plan: predicted {self.chosen.predicted_peak / 2**20:.1f} MiB, measured "
-                                 f"{activations / 2**20:.1f} MiB")
-            if self.measured > self.budget and self.chosen.fits:
-                self._choose(self.budget - (self.measured - self.chosen.predicted_peak))
-                self.messages.append("budget plan corrected once: the measured peak exceeded the budget")
+            self._verify(activations)
+
+    def _verify(self, activations: int) -> None:
+        """The chosen plan's step read ``activations``: kept when the prediction held within the margin, else the
+        prediction is corrected by the difference and the plan chosen again, verified on the next step (class
+        docstring, step 3)."""
+        chosen = self.chosen
+        self._note_step(chosen.modes, activations)
+        self.measured, self._verifications = activations, self._verifications + 1
+        self.measured_plans[tuple(chosen.modes)] = activations  # from now on it competes with its measured peak
+        error = activations - chosen.predicted_peak
+        self.messages.append(f"budget plan: predicted {format_bytes(chosen.predicted_peak)}, measured "
+                             f"{format_bytes(activations)}")
+        if abs(error) <= self.margin * self.budget or not chosen.fits:
             self.stage += 1
+            return
+        if self._verifications >= MAX_VERIFICATIONS:
+            self._keep_fastest_measured()
+            self.stage += 1
+            return
+        self._raised = max(0, self._raised + error)
+        self._choose()
+        if self.chosen.modes == chosen.modes:  # the same plan, now priced at what it measured
+            self.stage += 1
+            return
+        self.messages.append(f"budget plan corrected: {mode_mix(chosen.modes)} read {format_bytes(abs(error))} "
+                             f"{'above' if error > 0 else 'below'} its prediction; verifying "
+                             f"{mode_mix(self.chosen.modes)} on the next step")
+
+    def _keep_fastest_measured(self) -> None:
+        """Verification took its steps: the fastest plan measured within the budget, for good."""
+        kept = self._fallback(self.costs(), self.budget)
+        if kept is None or kept.modes == self.chosen.modes:
+            return
+        self.chosen, self.measured = kept, kept.predicted_peak
+        self.apply(kept.modes)
+        self.plan.annotate(kept.notes())
+        self.messages.append(f"budget plan kept after {self._verifications} verifying steps: {kept.describe()}")
 
     def run(self, step: Callable[[bool], int]) -> None:
         """Calibrate outside a training loop (the frontier command, benchmarks, tests, the pricing of a shape):
@@ -578,7 +692,7 @@ class BudgetCalibration:
             return
         failed = self.chosen.modes
         self._note_unfit(failed)
-        self._choose(self.budget, apply=False)
+        self._choose(apply=False)
         if self.chosen.modes in self.unfit:  # even the plans that ran no longer fit (memory grew): give up
             self.stage = len(self.stages) + 1
             self.messages.append(f"budget plan {mode_mix(failed)} ran out of memory and no plan the calibration ran "
@@ -603,7 +717,7 @@ class BudgetCalibration:
         self._base = self._fit_base([list(m) for m, _ in self._calibration_peaks],
                                     [peak for _, peak in self._calibration_peaks])
         if self._choosing:
-            self._choose(self.budget)
+            self._choose()
         else:  # measured only: nothing is chosen, nothing is verified
             self.stage = len(self.stages) + 1
 
@@ -620,9 +734,27 @@ class BudgetCalibration:
         return any(all(a <= _STRENGTH.get(b, 0) for a, b in zip(strength, unfit)) for unfit in self.unfit)
 
     def _skip_unfit_stages(self) -> None:
-        """Replace, without running them, the next stages that would run out of memory (:meth:`_dominated`)."""
-        while self.calibrating and self._dominated(self.stages[self.stage][1]):
-            self._replace_stage()
+        """Replace, without running them, the next stages that would run out of memory (:meth:`_dominated`) or are
+        predicted above the budget (class docstring)."""
+        while self.calibrating:
+            label, modes, kind = self.stages[self.stage]
+            if self._dominated(modes):
+                self._replace_stage()
+            elif not self._predicted_to_fit(modes):
+                replaced = self._replace_stage()
+                self.messages.append(f"budget calibration: the {kind} stage {mode_mix(modes)} is predicted at "
+                                     f"{format_bytes(self.predicted(modes) or 0)}, above the budget less its margin "
+                                     f"({format_bytes(self.target)}); measuring {label!r} with {len(replaced)} "
+                                     "stronger stage(s) instead")
+            else:
+                return
+
+    def _predicted_to_fit(self, modes: Sequence[str]) -> bool:
+        """Whether a stage may run: predicted within :attr:`target`, or nothing stronger is left to run instead."""
+        if not self._choosing or all(_STRENGTH.get(m, 0) >= _STRENGTH["recompute"] for m in modes):
+            return True
+        predicted = self.predicted(modes)
+        return predicted is None or predicted <= self.target
 
     def _replace_stage(self) -> List[Tuple[str, Tuple[str, ...], str]]:
         """Put :meth:`_stronger_stages` of the current stage in its place (none already planned or run)."""
@@ -798,20 +930,25 @@ class BudgetCalibration:
             return None
         return max((forward if forward is not None else off) - off, 0.0) + replay
 
-    def _choose(self, budget: int, apply: bool = True) -> None:
-        """Choose the plan for ``budget``, held below every plan that ran out of memory (:attr:`unfit`)."""
+    def _choose(self, budget: Optional[int] = None, apply: bool = True) -> None:
+        """Choose the plan for ``budget`` (default :attr:`target`), held below every plan that ran out of memory
+        (:attr:`unfit`), its bases raised by what verifying steps read above their predictions."""
+        budget = self.target if budget is None else budget
         modes = ("off", *self.modes, *[COMPILER_MODE] * bool(self.compiler_modes))
         costs = self.costs()
+        base = (self._base[0] + self._raised, self._base[1] + self._raised)
         limit = self._device_limit(costs)
         if limit is not None and limit <= budget:
             budget = limit - 1
             self.messages.append(f"budget plan held below {format_bytes(limit)}: {len(self.unfit)} plan(s) at or "
                                  "above it ran out of memory on this device")
         measured = {p: v for p, v in self.measured_plans.items() if p not in self.unfit}
-        chosen = plan_budget(costs, max(budget, 0), base=self._base, modes=modes, measured=measured)
+        chosen = plan_budget(costs, max(budget, 0), base=base, modes=modes, measured=measured)
         if self.unfit and (chosen.modes in self.unfit or not chosen.fits):  # nothing predicted fits: one that ran
             chosen = self._fallback(costs, max(budget, 0)) or chosen
-        self.chosen = chosen
+        # the user's budget, and the smallest one that holds a plan with the margin left free
+        self.chosen = chosen = dataclasses.replace(chosen, budget=self.budget, smallest_budget=math.ceil(
+            chosen.smallest_budget / (1 - self.margin)))
         if apply:
             self.apply(chosen.modes)
             self.plan.annotate(chosen.notes())
@@ -840,7 +977,8 @@ class BudgetCalibration:
         from lightning_ckpt.decide.block_timing import capture_block_input
 
         def hook(module, args, kwargs):
-            if index not in self._inputs and module.training and torch.is_grad_enabled() and not self._failed:
+            if index not in self._inputs and module.training and torch.is_grad_enabled() and not (
+                    self._failed or self._paused):
                 self._inputs[index] = capture_block_input(args, kwargs)
 
         return hook
@@ -891,7 +1029,7 @@ class BudgetCalibration:
         import torch
 
         def hook(module, args):
-            if not (module.training and torch.is_grad_enabled()) or self._failed:
+            if not (module.training and torch.is_grad_enabled()) or self._failed or self._paused:
                 return
             self.boundary[index] = max(self.boundary[index], sum(
                 a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
@@ -935,7 +1073,7 @@ class BudgetCalibration:
         from lightning_ckpt.measure.tracker import LiveBytes, exit_mode
 
         index, mode = getattr(owner, "index", None), getattr(owner, "mode", None)
-        if index is None or mode not in self.mode_seconds or not self.calibrating or self._failed:
+        if index is None or mode not in self.mode_seconds or not self.calibrating or self._failed or self._paused:
             return fn(*args, **kwargs)
         if self.stages[self.stage][2] == "bytes":  # what the replay creates, at its peak
             scope = LiveBytes(self.meter.device)

@@ -151,7 +151,7 @@ class ShapePlanner:
         if self._unit_from is not None:
             modes, measured = self._unit_from
             self._unit_from = None
-            fake = self._traced(self.reference, modes)  # eager: the measured peak before compiled savings
+            fake = self.traced(self.reference, modes)  # eager: the measured peak before compiled savings
             self._unit = (measured + self.compiled_savings(self.reference, modes)) / fake if fake else 1.0
         return self._unit
 
@@ -161,7 +161,7 @@ class ShapePlanner:
             self._priced[bucket] = self._price(bucket)
         return self._priced[bucket]
 
-    def _traced(self, bucket: Shape, modes: Tuple[str, ...]) -> Optional[int]:
+    def traced(self, bucket: Shape, modes: Tuple[str, ...]) -> Optional[int]:
         """The plan's traced activation peak at the bucket's shape (fake bytes), traced on first use."""
         traced = self.priced(bucket).traced
         if modes not in traced and self._trace is not None:
@@ -279,7 +279,7 @@ class ShapePlanner:
         for _ in range(4):  # a traced peak over the budget takes that plan out: choose again
             if chosen.modes in known or self._trace is None:
                 break
-            traced = self._traced(bucket, tuple(chosen.modes))
+            traced = self.traced(bucket, tuple(chosen.modes))
             if traced is None:
                 break
             known = self.known(bucket)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Union
@@ -54,7 +55,13 @@ from lightning_ckpt.lightning.compiled import (
     warn_cuda_graphs_once,
 )
 from lightning_ckpt.lightning.gate import ShapeGate
-from lightning_ckpt.lightning.metrics import block_metrics, log_metrics, reduce_across_ranks, tensorboard_layout
+from lightning_ckpt.lightning.metrics import (
+    block_metrics,
+    log_metrics,
+    log_step,
+    reduce_across_ranks,
+    tensorboard_layout,
+)
 from lightning_ckpt.lightning.ranks import HostGroup
 from lightning_ckpt.lightning.recovery import StepGuard
 from lightning_ckpt.lightning.settings import Settings
@@ -75,6 +82,7 @@ REPORT_FILE = "lightning_ckpt_report.json"
 TIMELINE_FILE = "memory_timeline.png"
 STATE_VERSION = 1
 _STATE_KEYS = frozenset({"version", "policy", "plan_policy", "names", "modes", "controller"})
+_INSTRUMENTED = "_instrumented"  # reduced with the figures: whether some rank's step ran the per-op instrumentation
 
 
 WHOLE_MODEL_COMPILE_BUDGET = (
@@ -117,7 +125,9 @@ class CheckpointingEngine:
         self.guard = StepGuard(self)
         self.capacity: Optional[int] = settings.capacity_bytes
         self.last_metrics: Dict[str, float] = {}
-        self.last_result: Optional[StepResult] = None
+        self.last_result: Optional[StepResult] = None  # the last *measured* step's (the report's), this fit
+        self._last_step: Optional[tuple] = None  # (Lightning's step, logged) of last_result
+        self._owed: list = []  # logged reference steps whose time and throughput wait for an ordinary step's
         self._pending: Optional[Dict[str, Any]] = None  # restored state waiting for the plan to exist
         self._applied_in_run = False
         self._verified = False
@@ -204,6 +214,8 @@ class CheckpointingEngine:
             self.apply(trainer)
         s = self.settings
         self.guard.configure(trainer)
+        self.last_result = self.last_attribution = self._last_step = None  # each fit reports its own steps
+        self._owed = []
         device = trainer.strategy.root_device
         self._read_capacity_again(device)
         graphs = cuda_graphs_in_use(pl_module) if device.type == "cuda" else None  # the allocator's lines: see there
@@ -233,6 +245,7 @@ class CheckpointingEngine:
             if not one_graph and s.per_shape:  # one whole-model graph: one plan (lightning/shaped.py)
                 self.shapes = ShapeSteps(self, budget, (*modes, *[COMPILER_MODE] * bool(fractions)))
                 self.shapes.setup(trainer)
+                self.calibration.predict = self.shapes.traced_at_calibration  # no stage predicted over the budget
                 raised = room_for_plans(len(modes) + 1 + len(fractions)) if caller is not None else None
                 if raised:
                     self._restore_dynamo = raised[1]
@@ -349,6 +362,7 @@ class CheckpointingEngine:
         self.phase.batch_start()
         if self.monitor is None:
             return
+        size = None  # a later micro-batch's size, for a measured step
         if not self.monitor.in_step:
             self._batch_shape = (sequence_length(batch), count_samples(batch))
             calibrating = self.calibration is not None and not self.calibration.done
@@ -359,8 +373,10 @@ class CheckpointingEngine:
             if self.gate is not None:  # the threshold for this batch's shape, before its forward
                 self.gate.before_micro_batch(trainer, batch, first=True)
             self._logging, self._deciding = self._step_kind(trainer)
-            # block hooks measure the calibration steps: compiled code runs eagerly for them
-            measured = self._logging or self._deciding or calibrating
+            # block hooks measure the calibration steps: compiled code runs eagerly for them; the fit's first step is
+            # measured for the report (a fit shorter than log_every_n_steps logs none)
+            first = self.settings.measure and self.settings.report and self.last_result is None
+            measured = self._logging or self._deciding or calibrating or first
             self._step_shape = shape_of(batch, self.settings.shape_fn) if measured else None
             self.monitor.begin_step(measure=measured, key=self._step_key(trainer, batch) if measured else None,
                                     size=self._step_shape.tokens if measured else None,
@@ -375,7 +391,18 @@ class CheckpointingEngine:
             if self.gate is not None:
                 self.gate.before_micro_batch(trainer, batch, first=False)
             self.monitor.phase("forward")
-        self.monitor.add_batch(batch)
+            if self._step_shape is not None:  # measured: the step's size is its largest micro-batch's (meter.grow)
+                size = self._grow_step(batch)
+        self.monitor.add_batch(batch, size)
+
+    def _grow_step(self, batch: Any) -> float:
+        """A later micro-batch of a measured step: its tokens, and its (length, samples) for the report's reading
+        of lengths when it is the step's largest yet (the step's activation peak is that micro-batch's)."""
+        size = shape_of(batch, self.settings.shape_fn).tokens
+        length, samples = sequence_length(batch), count_samples(batch)
+        if length and samples and length * samples > math.prod(v or 0 for v in self._batch_shape or (0,)):
+            self._batch_shape = (length, samples)
+        return size
 
     def _step_key(self, trainer: "pl.Trainer", batch: Any) -> tuple:
         """What determines a step's memory: the plan, the batch's shape bucket (of ``_step_shape``, read once) and
@@ -426,13 +453,13 @@ class CheckpointingEngine:
         self.phase.optimizer_step_end()
         plan = self.plan
         result = self.monitor.end_step(pl_module, trainer.optimizers, plan.num_checkpointed if plan else 0)
-        if result.ledger is None:
-            self.last_result = result
+        self._settle_owed(trainer, result)
+        if result.ledger is None:  # not measured: the report keeps the last measured step
             if self.shapes is not None:
                 self.shapes.after_step(None, None, None, {}, self._key)
             return
         result = self._as_compiled(result)
-        self.last_result = result
+        self.last_result, self._last_step = result, (log_step(trainer), self._logging)
         if result.reading is not None and result.reading.attribution:  # a reference step: what its peaks held
             self.last_attribution = {"step": trainer.global_step, "shape": self._step_shape,
                                      "modes": self.plan.modes, "attribution": result.reading.attribution,
@@ -441,7 +468,12 @@ class CheckpointingEngine:
         metrics = result.metrics(self.settings.prefix)
         group = self.ranks.group  # on the host where the run decides: see lightning/ranks.py
         if self._logging:  # every figure reduced across ranks: one collective
-            metrics = reduce_across_ranks(trainer.strategy, metrics, group=group)
+            metrics = reduce_across_ranks(trainer.strategy, {**metrics, _INSTRUMENTED: float(result.instrumented)},
+                                          group=group)
+            if metrics.pop(_INSTRUMENTED):  # a rank ran the per-op instrumentation: an ordinary step times this one
+                metrics = {k: v for k, v in metrics.items() if k not in result.throughput(self.settings.prefix)}
+                self._owed.append(log_step(trainer))
+                self.monitor.owed = True
         elif self._deciding:  # only the activation line: one collective of one float
             key = self._key("memory/activations_gib")
             metrics = dict(metrics, **reduce_across_ranks(trainer.strategy, {key: metrics[key]}, group=group))
@@ -451,7 +483,8 @@ class CheckpointingEngine:
             metrics.update(block_metrics(self.calibration.chosen, self.settings.prefix))
         if self.shapes is not None:
             reading = metrics.get(self._key("memory/activations_gib"))
-            self.shapes.after_step(None if reading is None else round(reading * GiB), result.step_s,
+            self.shapes.after_step(None if reading is None else round(reading * GiB),
+                                   None if result.instrumented else result.step_s,
                                    metrics.get(self._key("throughput/tokens_per_sec")), metrics, self._key)
         self.last_metrics = metrics
         if self._logging:
@@ -466,6 +499,23 @@ class CheckpointingEngine:
             self._warn_if_infeasible()
             if self.shapes is not None and self.calibration.done:
                 self.shapes.calibration_done()
+
+    def _settle_owed(self, trainer: "pl.Trainer", result: StepResult) -> None:
+        """The time and throughput of the logged reference steps waiting for them, from this step when it is an
+        ordinary one on every rank: logged at each of those steps (their own figures held the per-op instrumentation,
+        3-4x slow). Every rank gets here at the same steps (the owed steps were agreed by the reduction)."""
+        if not self._owed:
+            return
+        figures = {self._key("throughput/samples_per_sec"): 0.0, self._key("time/step_s"): 0.0}
+        figures.update(result.throughput(self.settings.prefix))
+        figures[_INSTRUMENTED] = float(result.instrumented or result.step_s is None)
+        figures = reduce_across_ranks(trainer.strategy, figures, group=self.ranks.group)
+        if figures.pop(_INSTRUMENTED):  # this step ran it too: the next ordinary one times them all
+            return
+        for step in self._owed:
+            log_metrics(trainer, figures, self.settings.prefix, step=step)
+        self.last_metrics.update(figures)
+        self._owed, self.monitor.owed = [], False
 
     def _warn_if_infeasible(self) -> None:
         """A budget no plan meets is a warning (rank zero, once) naming the smallest feasible budget."""
@@ -578,6 +628,8 @@ class CheckpointingEngine:
             data["shape_plans"] = self.shapes.report()
         if self.gate is not None and self.gate.needed:
             data["shape_gate"] = self.gate.report()
+        if self._last_step is not None:  # the step the report reads: Lightning's (TensorBoard's) step of it
+            data["step"], data["logged"] = self._last_step
         if self.last_attribution is not None:
             data["peak"] = self.peak_anatomy(trainer)
         folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None

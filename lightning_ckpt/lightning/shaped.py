@@ -187,6 +187,16 @@ class ShapeSteps(ShapeReader):
                                f"tokens (squared above its shape) instead of tracing it: {err}")
         return self._price_scaled(bucket)
 
+    def traced_at_calibration(self, modes: Sequence[str]) -> Optional[int]:
+        """The activation peak of ``modes`` traced on fake tensors at the calibration's exact shape (fake bytes), so
+        that no calibration stage runs that is predicted over the budget; ``None`` when the model cannot be traced."""
+        if self.calibration_shape is None or self._fallback is not None:
+            return None
+        try:
+            return self.planner.traced(self.calibration_shape, tuple(modes))
+        except PricingError:
+            return None
+
     def _price_fake(self, bucket: Shape) -> ShapeCosts:
         module, plan, loss_fn, batch, context = self._fake_args(bucket)
         return price_shape(module, plan, loss_fn, batch, self.modes, context=context)

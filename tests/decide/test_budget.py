@@ -108,17 +108,19 @@ def test_budget_policy_in_a_trainer_calibrates_then_fits(tmp_path):
 
     cb, rec = ActivationCheckpointing(policy=f"budget:{budget}"), Record()
     seed_everything(0)
-    Trainer(**trainer_kwargs(tmp_path / "budget", max_steps=12, log_every_n_steps=1),
+    Trainer(**trainer_kwargs(tmp_path / "budget", max_steps=24, log_every_n_steps=1),
             callbacks=[cb, rec]).fit(TinyTransformer(batch_size=16))
     chosen = cb.calibration.chosen
     assert cb.calibration.done and chosen.fits
     assert 1 <= sum(m != "off" for m in chosen.modes) < 4
     calibration_steps = len(cb.calibration.stages)
-    assert calibration_steps == 9  # every block recomputed once, then bytes and time steps per mode and parity
+    # every block recomputed once, then bytes and time steps per mode and parity; those predicted over the budget
+    # (half the blocks off) replaced by stronger ones before they run
+    assert 9 < calibration_steps <= 20
     # bytes steps are exact; time steps are not (per-operator tracking would inflate the block times)
     assert rec.exact == [(kind, kind == "bytes", kind == "bytes") for kind, _, _ in rec.exact]
     assert len(rec.exact) == calibration_steps
-    assert all(act <= budget for _, act in rec.rows[calibration_steps:])
+    assert all(act <= budget for _, act in rec.rows)  # the calibration's steps included
     assert cb.calibration.measured == pytest.approx(chosen.predicted_peak, rel=0.10)
     assert all_ < every2 < none
 
@@ -397,9 +399,10 @@ def test_budget_plan_is_explained_in_the_summary_the_report_and_tensorboard_tags
 
     seed_everything(0)
     cb = ActivationCheckpointing(policy="budget:600KiB")
-    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=11, log_every_n_steps=1), callbacks=[cb])
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=24, log_every_n_steps=1), callbacks=[cb])
     trainer.fit(TinyTransformer(batch_size=16))
     chosen = cb.calibration.chosen
+    assert cb.calibration.done
     summary = cb.plan.summary()
     assert all("keeps " in row and "saves " in row for row in summary.splitlines()[2:2 + cb.plan.num_blocks])
     text = cb.report(trainer)
@@ -506,6 +509,10 @@ class FakeCapacity(LiveBytes):
         self.capacity, self.on_oom, self.ooms = capacity, on_oom, []
 
     def _add(self, st, key, copy, *made):
+        from torch._subclasses.fake_tensor import is_fake
+
+        if len(made) > 1 and made[1] is not None and is_fake(made[1]):  # fake tensors take no device memory
+            return
         super()._add(st, key, copy, *made)
         if self.capacity is not None and self.live + self.copies_live > self.capacity:
             self.ooms.append(self.on_oom() if self.on_oom is not None else None)

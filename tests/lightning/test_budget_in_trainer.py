@@ -24,12 +24,12 @@ def _fit(tmp_path, policy: str, steps: int) -> ActivationCheckpointing:
 
 
 def test_a_run_that_ends_before_the_calibration_finishes_says_so(tmp_path):
-    cb = _fit(tmp_path, "budget:20KiB", steps=3)
+    cb = _fit(tmp_path, "budget:1GiB", steps=3)  # room for every stage: nine calibration steps
     assert cb.calibration.calibrating
     stages = len(cb.calibration.stages)
     said = [m for m in cb.caught if "calibration steps" in m]
     assert len(said) == 1, cb.caught
-    assert f"train at least {stages + 1} steps for 'budget:20KiB'" in said[0] and "ended after 3 of its" in said[0]
+    assert f"train at least {stages + 1} steps for 'budget:1GiB'" in said[0] and "ended after 3 of its" in said[0]
 
 
 def test_a_finished_calibration_says_nothing_of_the_kind(tmp_path):
