@@ -17,6 +17,10 @@ its own batch, with no collective (a step that neither logs nor decides stays fr
 ranks may run different rungs; the gradients are the same whatever the rung. (A sharded model, where the ranks'
 replays gather parameters together, is not traced on fake tensors: there the gate is off.)
 
+A step the gate raised that runs out of memory anyway (its trace read low) is retried one rung up by the escalation,
+and the bucket keeps that rung from then on (:meth:`ShapeGate.out_of_memory`): the controller's own rung, which the
+bucket's batches do not run on, is left alone.
+
 A model that cannot be traced on fake tensors (:class:`~lightning_ckpt.decide.pricing.PricingError`) is not gated:
 a warning says so once, and the controller alone decides, after the steps, as before.
 """
@@ -54,6 +58,7 @@ class ShapeGate(ShapeReader):
         self._unit: Optional[float] = None  # device bytes per traced byte, from the first measured step
         self._measured: Optional[tuple] = None  # (shape, rung, activation peak) of a measured step, for the unit
         self._shape: Optional[Shape] = None
+        self.bucket: Optional[Shape] = None  # the bucket of the micro-batch in flight
         self._off = False  # tracing failed: the controller alone decides
 
     def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
@@ -62,7 +67,7 @@ class ShapeGate(ShapeReader):
         shape, _ = self.read(trainer, batch, agree=False)  # this rank's own shape: no collective (module docstring)
         if first:
             self._shape, self.raised = shape, False
-        bucket = bucket_of(shape)
+        bucket = self.bucket = bucket_of(shape)
         if self.home is None:
             self.home = bucket
         level = controller.level if bucket == self.home else max(controller.level, self._needed(bucket))
@@ -70,6 +75,12 @@ class ShapeGate(ShapeReader):
         rung = self.engine.settings.ladder[level]
         if self.engine.plan.spec != rung:
             self.engine.change_plan(rung)
+
+    def out_of_memory(self, level: int) -> None:
+        """The micro-batch in flight, raised above the controller's rung, ran out of memory there and is retried on
+        rung ``level``: its bucket needs at least that from now on."""
+        if self.bucket is not None and self.bucket != self.home:
+            self.needed[self.bucket] = max(self.needed.get(self.bucket, 0), level)
 
     def _needed(self, bucket: Shape) -> int:
         if self._off:
@@ -98,7 +109,7 @@ class ShapeGate(ShapeReader):
                 break
         if self.needed[bucket] > start or self.predicted[bucket] > self.threshold:
             fits = "" if self.predicted[bucket] <= self.threshold else " (over the threshold even there)"
-            self.engine.info(f"bucket {bucket}: at least rung {ladder[self.needed[bucket]]!r} before the step, "
+            self.engine.info(f"bucket {bucket}: at least policy {ladder[self.needed[bucket]]!r} before the step, "
                              f"predicted activation peak {format_bytes(self.predicted[bucket])} against the threshold "
                              f"{format_bytes(self.threshold)}{fits}")
 

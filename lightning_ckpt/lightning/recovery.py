@@ -309,9 +309,13 @@ class StepGuard:
         if not self._retries() or plan is None:
             return False
         phase = self.phase(err)  # before the chain is released: the traceback says whether compiled code raised it
-        ladder, before, spec, policy = engine.settings.ladder, plan.layout, plan.spec, plan.policy
+        ladder, before, spec, policy = list(engine.settings.ladder), plan.layout, plan.spec, plan.policy
+        controller = engine.controller
+        # a micro-batch the shape gate put above the controller's rung: its bucket learns, not the controller
+        gated = engine.gate is not None and controller is not None and spec in ladder and \
+            ladder.index(spec) > controller.level
         for rung in stronger_rungs(before, ladder, accelerator=engine.on_accelerator):
-            engine.change_plan(rung, level=list(ladder).index(rung))
+            engine.change_plan(rung, level=None if gated else ladder.index(rung))
             # stronger as applied: the safety checks may keep some blocks off (stateful="skip")
             if stronger(plan.layout, before, accelerator=engine.on_accelerator):
                 break
@@ -319,8 +323,10 @@ class StepGuard:
             if plan.layout != before:
                 engine.change_plan(policy)
             return False
-        if engine.controller is not None and spec in ladder:  # it must not walk back into the policy that failed
-            engine.controller.out_of_memory(list(ladder).index(spec))
+        if gated:
+            engine.gate.out_of_memory(ladder.index(plan.spec))
+        elif controller is not None and spec in ladder:  # it must not walk back into the policy that failed
+            controller.out_of_memory(ladder.index(spec))
         calibration = engine.calibration if self._calibrating() else None
         if calibration is not None:  # before the release: it drops what the stage captured of the failed attempt
             calibration.out_of_memory()
