@@ -120,8 +120,9 @@ class ActivationCheckpointing(Callback):
       (reserved − allocated).
     - ``throughput/tokens_per_sec``, ``throughput/samples_per_sec``, ``time/step_s``: tokens counted from the
       batch (``attention_mask`` non-padding when present, else the token tensor's size) or by ``tokens_fn``;
-      time from the end of the previous optimizer step, validation excluded: on CUDA the device's time between
-      CUDA events recorded at the step boundaries, read on logging steps only (one wait there, none elsewhere).
+      time from the step's own start to its end (checkpoint saves, validation and the first batch's loading
+      between steps excluded; a reference step's point is the next ordinary step's: docs/measurement.md): on CUDA
+      the device's time between CUDA events, read on logging steps only (one wait there, none elsewhere).
     - ``checkpointing/blocks`` (blocks checkpointed this step) and ``checkpointing/level`` (rung of the
       escalation ladder, with ``auto_threshold``).
     - The progress bar shows ``act_GiB`` and ``tok/s``. The figures are written to ``trainer.loggers`` directly

@@ -22,11 +22,12 @@ this step, a device read each).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["TENSORBOARD_LAYOUT", "block_metrics", "log_metrics", "reduce_across_ranks", "tensorboard_layout"]
+__all__ = ["TENSORBOARD_LAYOUT", "block_metrics", "log_metrics", "log_step", "reduce_across_ranks",
+           "tensorboard_layout"]
 
 
 def tensorboard_layout(prefix: str) -> Dict[str, Dict[str, List[Any]]]:
@@ -99,7 +100,7 @@ def reduce_across_ranks(strategy: Any, metrics: Dict[str, float], group: Any = N
             for i, k in enumerate(keys)}
 
 
-def _log_step(trainer: Any) -> int:
+def log_step(trainer: Any) -> int:
     """The step ``self.log`` in ``on_train_batch_end`` is written at: the optimizer steps before this one."""
     stepped = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", None)
     return int(stepped) if stepped is not None else max(int(trainer.global_step) - 1, 0)
@@ -111,13 +112,14 @@ def _lightning_dict(trainer: Any, name: str) -> Dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def log_metrics(trainer: Any, metrics: Dict[str, float], prefix: str) -> None:
+def log_metrics(trainer: Any, metrics: Dict[str, float], prefix: str, step: Optional[int] = None) -> None:
     """Write already-reduced figures (see the module docstring): the loggers on rank zero, Lightning's
-    ``callback_metrics`` / ``logged_metrics`` as host tensors, and two figures on the progress bar."""
+    ``callback_metrics`` / ``logged_metrics`` as host tensors, and two figures on the progress bar. ``step``: the
+    logger's step (default :func:`log_step`, this step's; an earlier one for a reference step's time)."""
     root = f"{prefix}/" if prefix else ""
     values = {k: float(v) for k, v in metrics.items()}
     if trainer.is_global_zero and trainer.loggers:
-        step = _log_step(trainer)
+        step = log_step(trainer) if step is None else step
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)
     as_tensors = {k: torch.tensor(v) for k, v in values.items()}  # host tensors: no device copy

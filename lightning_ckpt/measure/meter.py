@@ -393,7 +393,9 @@ class StepMeter:
                 figure, as when replays go unseen, since its saved-tensor figure lacks those transients.
             size: how big the step's batch is (its tokens), when a key covers batches of several sizes (a bucket of
                 shapes): a later step's correction is the reference's scaled by ``size / reference size`` (the
-                temporaries it stands for, such as the logits' upcast, grow with the batch).
+                temporaries it stands for, such as the logits' upcast, grow with the batch). With accumulation,
+                :meth:`grow` it by each later micro-batch: the size is the largest micro-batch's, whose peak the
+                step's is.
             attribute: on an exact step of a watched model, name what is alive at the step's peaks
                 (:mod:`lightning_ckpt.measure.attribution`): the blocks' paths in the model, in order (``()`` for
                 none); the reading's ``attribution`` holds the result. ``None``: not attributed.
@@ -440,6 +442,13 @@ class StepMeter:
         self._phased = False  # phase peaks are reported only when the caller marks the boundaries
         self._open = True
         self._t0 = time.perf_counter()
+
+    def grow(self, size: Optional[float]) -> None:
+        """A later micro-batch of the open step is ``size`` big (see ``size`` in :meth:`start_step`): the step's
+        size is its largest micro-batch's, since the activation peak, and the correction of a reference step
+        with it, are that micro-batch's (the micro-batches' activations are freed by each one's backward)."""
+        if self._open and size is not None:
+            self._size = max(self._size or 0, size)
 
     def phase(self, name: str) -> None:
         """A phase boundary: ``"forward"`` (a micro-batch starts), ``"backward"`` or ``"optimizer"``."""

@@ -4,15 +4,22 @@
 first micro-batch of an optimizer step, :meth:`~StepMonitor.add_batch` for every micro-batch,
 :meth:`~StepMonitor.end_step` after the optimizer step. It owns a :class:`~lightning_ckpt.measure.meter.StepMeter`.
 
-Time and throughput: a step's time runs from the end of the previous optimizer step (so data loading is
-included, as a user timing the loop would see it) to the end of this one; validation and other pauses between
-steps are cut out with :meth:`~StepMonitor.pause` / :meth:`~StepMonitor.resume` (only the paused interval: the
-next step still includes the loading of its batch). The first step of a run starts at :meth:`begin_step` (the
-loader's start-up before it is no step's). Each step's own time, not an average over the steps between two
-logging steps: on CUDA from CUDA events recorded at the step boundaries (the device's timeline, see
-:mod:`lightning_ckpt.measure.clock`), on the CPU from the host's ``perf_counter``. A step's time and tokens are
-read only on steps that count tokens (``begin_step(tokens=True)``, the logging steps): reading an event waits for
-the device once, so every other step records one event and waits for nothing; their ``step_s`` is ``None``.
+Time and throughput: a step's time runs from its own start (:meth:`~StepMonitor.begin_step`, before its first
+micro-batch's forward) to its end (:meth:`~StepMonitor.end_step`, after the optimizer step). What runs between two
+steps is no step's: a checkpoint save (``ModelCheckpoint`` runs after the callback in ``on_train_batch_end``), the
+fetch of the first micro-batch, validation between steps. Validation inside an accumulation window is cut out with
+:meth:`~StepMonitor.pause` / :meth:`~StepMonitor.resume`. Each step's own time, not an average over the steps
+between two logging steps: on CUDA from CUDA events recorded at the step's start and end (the device's timeline,
+see :mod:`lightning_ckpt.measure.clock`), on the CPU from the host's ``perf_counter``. A step's time and tokens are
+read only on steps that count tokens (``begin_step(tokens=True)``, the logging steps, and a step :attr:`owed` one's
+figures): reading an event waits for the device once, so every other step records no event and waits for nothing;
+their ``step_s`` is ``None``.
+
+A step that ran the plugin's own per-operation instrumentation (an exact reference step, or one run eagerly for
+the budget's block hooks) is ``instrumented``: its time is the instrumentation's as much as the training's, so its
+throughput is not the run's. The caller then sets :attr:`StepMonitor.owed`: the next steps count and are timed
+until an ordinary one gives the figures (:class:`~lightning_ckpt.lightning.engine.CheckpointingEngine` logs them at
+the reference step's place).
 ``tokens_per_sec = tokens / step_s``; tokens are counted from the batch (``attention_mask`` non-padding when
 present, else the token ids' size) or by ``tokens_fn``. A step whose batches carry no token ids (images, waveforms:
 see :mod:`lightning_ckpt.measure.tokens`) has ``tokens=None`` and logs ``samples_per_sec`` only.
@@ -45,6 +52,7 @@ class StepResult:
     samples: int
     step_s: Optional[float]
     checkpointed_blocks: int
+    instrumented: bool = False  # the step ran the per-op instrumentation: its time is not the run's (module doc)
 
     @property
     def tokens_per_sec(self) -> float:
@@ -54,15 +62,23 @@ class StepResult:
     def samples_per_sec(self) -> float:
         return self.samples / self.step_s if self.step_s else 0.0
 
-    def metrics(self, prefix: str = "") -> Dict[str, float]:
-        """Every metric name of DESIGN.md that this step measured (GiB floats for memory)."""
+    def throughput(self, prefix: str = "") -> Dict[str, float]:
+        """The time and throughput lines, when this step was timed (also on an ``instrumented`` step: the caller
+        decides, every rank alike, whether they are logged)."""
         root = f"{prefix}/" if prefix else ""
-        out = dict(self.ledger.as_metrics(prefix=f"{root}memory")) if self.ledger is not None else {}
+        out: Dict[str, float] = {}
         if self.step_s is not None:  # read on counting steps only: then samples were counted too
             if self.tokens is not None:  # batches without token ids (images) have samples, no tokens
                 out[f"{root}throughput/tokens_per_sec"] = self.tokens_per_sec
             out[f"{root}throughput/samples_per_sec"] = self.samples_per_sec
             out[f"{root}time/step_s"] = self.step_s
+        return out
+
+    def metrics(self, prefix: str = "") -> Dict[str, float]:
+        """Every metric name of DESIGN.md that this step measured (GiB floats for memory)."""
+        root = f"{prefix}/" if prefix else ""
+        out = dict(self.ledger.as_metrics(prefix=f"{root}memory")) if self.ledger is not None else {}
+        out.update(self.throughput(prefix))
         out[f"{root}checkpointing/blocks"] = float(self.checkpointed_blocks)
         return out
 
@@ -90,10 +106,11 @@ class StepMonitor:
         self.exact_every_n_steps = exact_every_n_steps
         self.clock = clock if clock is not None else clock_for(self.meter.device)
         self.allocator_note = allocator_note
-        self._start: Any = None  # the mark the open (or next) step's time starts at: the previous step's end
+        self._start: Any = None  # the mark the open step's time starts at: its own start (counting steps only)
         self._paused_at: Any = None
         self._pauses: List[Tuple[Any, Any]] = []  # (pause, resume) marks since _start
-        self._has_start = False
+        self.owed = False  # an instrumented step's figures are owed: steps count and are timed until one is not
+        self._eager = False
         self._measured = 0
         self._tokens: Any = None  # the open step's token count; None until a batch with tokens is added
         self._samples = 0
@@ -126,17 +143,16 @@ class StepMonitor:
         :meth:`~lightning_ckpt.measure.meter.StepMeter.start_step`. A step that is not measured touches nothing:
         no hook, no allocator counter reset (other tools' peaks stay as they are).
         """
-        if self._paused_at is not None:  # paused without resume(): time from here on
-            self._has_start, self._paused_at = False, None
-        if not self._has_start:
-            self._start, self._pauses, self._has_start = self.clock.mark(), [], True
+        self._counting = (measure if tokens is None else tokens) or self.owed
+        # the step's own start: what ran since the last step (a checkpoint save, validation) is no step's
+        self._start = self.clock.mark() if self._counting else None
+        self._pauses, self._paused_at, self._eager = [], None, eager
         if measure:
             if exact is None:
                 exact = bool(self.exact_every_n_steps and self._measured % self.exact_every_n_steps == 0)
             self.meter.start_step(exact=exact, key=key, eager=eager, state=state, hidden_recompute=hidden_recompute,
                                   size=size, attribute=attribute, batch=batch)
         self._ledger_wanted = measure
-        self._counting = measure if tokens is None else tokens
         self._tokens, self._samples, self._open = None, 0, True
 
     def phase(self, name: str) -> None:
@@ -152,7 +168,11 @@ class StepMonitor:
         if self._open and self._ledger_wanted:
             self.meter.restart_step(key=key, state=state, hidden_recompute=hidden_recompute)
 
-    def add_batch(self, batch: Any) -> None:
+    def add_batch(self, batch: Any, size: Optional[float] = None) -> None:
+        """Count a micro-batch of the open step; ``size`` (its tokens, for a measured step after its first
+        micro-batch) goes to :meth:`~lightning_ckpt.measure.meter.StepMeter.grow`."""
+        if self._ledger_wanted and size is not None:
+            self.meter.grow(size)
         if not self._counting:  # counts are only read on logging steps: no work (or GPU op) otherwise
             return
         tokens = count_tokens(batch, self.tokens_fn)
@@ -163,11 +183,15 @@ class StepMonitor:
     def end_step(self, model: nn.Module, optimizers: Iterable[Any], checkpointed_blocks: int) -> StepResult:
         """Close the step; the ledger is built only when the step was measured."""
         reading = self.meter.stop_step() if self._ledger_wanted else None
-        end = self.clock.mark()
         # read only where the figures are read: on CUDA this waits for the device (once; the tokens then cost nothing)
-        step_s = self.clock.elapsed(self._start, end, self._pauses) if self._counting else None
-        self._start, self._pauses, self._has_start = end, [], True
+        step_s = None
+        if self._counting:
+            end = self.clock.mark()
+            pauses = self._pauses + ([(self._paused_at, end)] if self._paused_at is not None else [])  # still paused
+            step_s = self.clock.elapsed(self._start, end, pauses)
+        self._start, self._pauses, self._paused_at = None, [], None
         self._open = False
+        instrumented = self._eager or (reading is not None and reading.exact)
         ledger = None
         if self._ledger_wanted:
             self._measured += 1
@@ -177,21 +201,17 @@ class StepMonitor:
                                   allocator_note=self.allocator_note, state=state)
         # a token count on the GPU is read only on logging steps: reading it waits for the device
         tokens = int(self._tokens) if self._counting and self._tokens is not None else None
-        return StepResult(reading, ledger, tokens, self._samples, step_s, checkpointed_blocks)
+        return StepResult(reading, ledger, tokens, self._samples, step_s, checkpointed_blocks, instrumented)
 
     def pause(self) -> None:
-        """Time from now until :meth:`resume` is not part of any step (validation runs between steps).
-
-        Without a ``resume()``, the next step starts at its :meth:`begin_step`.
-        """
-        if self._paused_at is None:
+        """Time from now until :meth:`resume` is not part of the open step (validation inside an accumulation
+        window; between steps nothing is timed, so there is nothing to cut)."""
+        if self._open and self._counting and self._paused_at is None:
             self._paused_at = self.clock.mark()
 
     def resume(self) -> None:
-        """End a :meth:`pause`: the paused interval is cut out of the next step's time."""
-        if self._paused_at is None:
-            return
-        if self._has_start:
+        """End a :meth:`pause`: the paused interval is cut out of the open step's time."""
+        if self._paused_at is not None and self._open:
             self._pauses.append((self._paused_at, self.clock.mark()))
         self._paused_at = None
 
@@ -200,7 +220,7 @@ class StepMonitor:
         self.meter.close()
         self._open = False
         self._start = self._paused_at = None
-        self._pauses, self._has_start = [], False
+        self._pauses = []
 
     def close(self) -> None:
         self.abort()

@@ -131,7 +131,8 @@ def test_event_files_hold_every_cpu_tag_at_the_expected_steps(tmp_path, accumula
 
 
 def test_custom_scalars_layout_puts_the_ledger_in_one_memory_chart(tmp_path):
-    _fit(tmp_path, max_steps=2, log_every_n_steps=1, prefix="ac")
+    # three steps: the first two are reference steps, whose time and throughput come from the third
+    _fit(tmp_path, max_steps=3, log_every_n_steps=1, prefix="ac")
     acc = _accumulator(tmp_path)
     layout = _layout(acc)
     assert [c.title for c in layout.category] == ["Memory", "Throughput", "Phases", "Checkpointing"]

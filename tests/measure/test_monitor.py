@@ -1,6 +1,6 @@
 """Step time and throughput of :class:`lightning_ckpt.measure.monitor.StepMonitor` on an asynchronous device.
 
-On CUDA a step's time comes from CUDA events recorded at the step boundaries and is read (one
+On CUDA a step's time comes from CUDA events recorded at the step's start and end and is read (one
 ``event.synchronize()``) only on steps whose figures are read. On the CPU the same code runs with a fake event
 clock (:class:`FakeDevice`): the device runs the work the host enqueued at its own pace, an event completes when
 the device reaches it, reading an unfinished event is an error (as ``cudaEventElapsedTime`` is), and every
@@ -72,8 +72,8 @@ def _step(monitor: StepMonitor, device: FakeDevice, seconds: float, read: bool) 
 
 def test_step_time_is_the_devices_and_read_only_on_steps_whose_figures_are_read():
     """The device takes 0.5 s per step while the host enqueues in microseconds: a host interval of one step (the old
-    ``perf_counter`` figure) would read microseconds; the event interval reads 0.5 s. Quiet steps record one event
-    and synchronize nothing; a read step synchronizes once."""
+    ``perf_counter`` figure) would read microseconds; the event interval reads 0.5 s. Quiet steps record no event
+    and synchronize nothing; a read step records two (its start and end) and synchronizes once."""
     device = FakeDevice()
     monitor = _monitor(device)
     kinds = [False, False, True, False, True, True]
@@ -90,7 +90,7 @@ def test_step_time_is_the_devices_and_read_only_on_steps_whose_figures_are_read(
         else:  # not read: no figure, rather than a host figure that looks like one
             assert result.step_s is None and result.tokens is None
             assert "time/step_s" not in result.metrics() and "throughput/tokens_per_sec" not in result.metrics()
-    assert device.events == 1 + len(kinds)  # the first step's start, then one per step boundary
+    assert device.events == 2 * sum(kinds)
 
 
 def test_an_image_step_logs_samples_per_second_and_no_tokens_per_second():
@@ -115,36 +115,65 @@ def test_an_image_step_logs_samples_per_second_and_no_tokens_per_second():
             assert metrics["throughput/tokens_per_sec"] == pytest.approx(tokens / 0.5)
 
 
-def test_a_step_includes_the_device_idle_wait_for_its_batch():
-    """Between two steps the host loads the next batch while the device, done, waits: the event interval of the next
-    step includes that wait (as a user timing the loop sees it), since its start is the previous step's end."""
+@pytest.mark.parametrize("read_before", [False, True])
+def test_what_runs_between_two_steps_is_no_step_s_time(read_before):
+    """Between two steps a checkpoint is saved (``ModelCheckpoint`` runs after the callback's batch end) and
+    validation runs (paused or not): 2 s of device time that are the next step's on the old code, which timed a step
+    from the previous step's end (2.5 s read for a 0.5 s step)."""
     device = FakeDevice()
     monitor = _monitor(device)
-    _step(monitor, device, 0.5, read=False)
-    device.run(0.2)  # the device idles 0.2 s waiting for the next batch: modelled as 0.2 s of device time
-    assert _step(monitor, device, 0.5, read=True).step_s == pytest.approx(0.7, abs=1e-12)
+    _step(monitor, device, 0.5, read=read_before)
+    device.run(1.5)  # the save
+    monitor.pause()
+    device.run(0.5)  # validation between the steps
+    monitor.resume()
+    assert _step(monitor, device, 0.5, read=True).step_s == pytest.approx(0.5, abs=1e-12)
 
 
-def test_pauses_are_cut_out_of_the_step_on_the_device_timeline():
+def test_pauses_inside_a_step_are_cut_out_on_the_device_timeline():
+    """Validation inside an accumulation window: the paused intervals are cut, read after the same one wait; a pause
+    still open when the step ends is cut up to its end."""
     device = FakeDevice()
     monitor = _monitor(device)
-    _step(monitor, device, 0.5, read=False)
-    device.run(0.1)  # loading before the validation run
+    monitor.begin_step(measure=False, tokens=True)
+    device.run(0.1)  # the first micro-batch
     monitor.pause()
     device.run(3.0)  # validation
     monitor.resume()
-    device.run(0.2)  # loading after it
+    device.run(0.2)  # the second micro-batch
     monitor.pause()
-    device.run(1.0)  # a second pause in the same interval
+    device.run(1.0)  # a second pause in the same step
     monitor.resume()
+    device.run(0.4)
     before = device.synchronizations
-    result = _step(monitor, device, 0.5, read=True)
-    assert device.synchronizations - before == 1  # the pauses' events are read after the same one wait
-    assert result.step_s == pytest.approx(0.8, abs=1e-12)
-    # a pause without resume: the next step starts at its begin_step
+    result = monitor.end_step(nn.Linear(1, 1), [], 0)
+    assert device.synchronizations - before == 1
+    assert result.step_s == pytest.approx(0.7, abs=1e-12)
+    monitor.begin_step(measure=False, tokens=True)
+    device.run(0.5)
     monitor.pause()
     device.run(5.0)
-    assert _step(monitor, device, 0.5, read=True).step_s == pytest.approx(0.5, abs=1e-12)
+    assert monitor.end_step(nn.Linear(1, 1), [], 0).step_s == pytest.approx(0.5, abs=1e-12)
+
+
+def test_an_instrumented_step_owes_its_figures_to_the_next_ordinary_one():
+    """An exact reference step (the first of its key) or a step run eagerly for block hooks is ``instrumented``;
+    with ``owed`` set, the next step counts and is timed though it is not a logging step."""
+    model = nn.Linear(4, 4)
+    monitor = StepMonitor("cpu")
+    monitor.watch(model)
+    for kwargs, instrumented in (({"key": "k"}, True), ({"key": "k"}, False), ({"eager": True}, True)):
+        monitor.begin_step(measure=True, tokens=True, **kwargs)
+        monitor.add_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long)})
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        result = monitor.end_step(model, [], 0)
+        assert result.instrumented is instrumented and result.step_s is not None
+        assert result.reading.exact is (kwargs.get("key") == "k" and instrumented)
+    quiet = _step(monitor, FakeDevice(), 0.5, read=False)
+    assert quiet.step_s is None and quiet.tokens is None and not quiet.instrumented
+    monitor.owed = True
+    owed = _step(monitor, FakeDevice(), 0.5, read=False)  # not a logging step, timed for the owed figures
+    assert owed.step_s is not None and owed.tokens == 16 and not owed.instrumented
 
 
 def test_a_step_recorded_while_the_stream_is_capturing_has_no_time():
@@ -156,8 +185,7 @@ def test_a_step_recorded_while_the_stream_is_capturing_has_no_time():
     capturing["now"] = True
     assert _step(monitor, device, 0.5, read=True).step_s is None
     capturing["now"] = False
-    assert _step(monitor, device, 0.5, read=True).step_s is None  # its start was not marked either
-    assert _step(monitor, device, 0.5, read=True).step_s == pytest.approx(0.5, abs=1e-12)
+    assert _step(monitor, device, 0.5, read=True).step_s == pytest.approx(0.5, abs=1e-12)  # its own start
 
 
 def test_the_default_clock_is_the_host_on_the_cpu_and_events_on_cuda():
@@ -211,7 +239,7 @@ def test_event_timed_steps_agree_with_a_synchronized_host_timing_on_cuda():
     monitor = StepMonitor("cuda")
     host, enqueue, events = [], [], []
     torch.cuda.synchronize()
-    monitor.begin_step(measure=False, tokens=True)  # the first step's start mark
+    monitor.begin_step(measure=False, tokens=True)  # a first step outside the timed ones
     monitor.end_step(nn.Linear(1, 1), [], 0)
     for _ in range(6):
         torch.cuda.synchronize()
