@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 from lightning_ckpt.forecast.precision import PRECISIONS
 from lightning_ckpt.forecast.profile.frontier import ANCHORS, frontier, frontier_table
 
 __all__ = ["add_parser", "run"]
+
+_BARE_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
 def add_parser(sub) -> None:
@@ -35,7 +39,20 @@ def add_parser(sub) -> None:
                         "priced compiled and the compiler's own budget per block (compiler:<f>) joins them")
 
 
+def _check_budgets(value: str) -> None:
+    """Sizes need a unit: a bare number in a list (``40,60``) would be read as bytes after a full calibration.
+
+    One whole number alone is a count of budgets."""
+    if value.strip().isdigit():
+        return
+    for item in (i.strip() for i in value.split(",")):
+        if _BARE_NUMBER.match(item):
+            raise ValueError(f"--budgets={value!r}: {item} has no unit; write sizes such as '40MiB,60MiB' (one whole "
+                             "number alone is a count of budgets).")
+
+
 def run(args) -> int:
+    _check_budgets(args.budgets)
     report = frontier(args.model, args.init_args, micro_batch=args.micro_batch, seq_len=args.seq_len,
                       budgets=args.budgets, anchors=[a.strip() for a in args.anchors.split(",") if a.strip()],
                       rounds=args.rounds, precision=args.precision, device=args.device, out=args.out,

@@ -88,9 +88,9 @@ def add_parser(sub) -> None:
     gpu.add_argument("--attn-dropout", type=float, default=None,
                      help="numbers with --sm: the attention dropout probability (default 0)")
     p.add_argument("--foreach", default=None, action=argparse.BooleanOptionalAction,
-                   help="the optimizer's multi-tensor step, which holds a parameter-sized temporary per moment "
-                        "(--model default: torch's default on --device, on for cuda; numbers default: off, as a "
-                        "fused step)")
+                   help="the optimizer's multi-tensor step, which holds one parameter-sized temporary (Adam's "
+                        "sqrt of the second moment for every parameter at once) (--model default: torch's default "
+                        "on --device, on for cuda; numbers default: off, as a fused step)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="numbers: none, all, every:N, group:K; --model: any policy (selective too)")
     p.add_argument("--json", action="store_true", help="print one JSON object (bytes) instead of a table")
@@ -111,6 +111,9 @@ def _capacity(value):
 
 
 def run(args) -> int:
+    if not [p for p in args.policies.split(",") if p.strip()]:
+        raise ValueError(f"--policies={args.policies!r} names no policy; pass one or more, e.g. "
+                         f"{','.join(DEFAULT_POLICIES)!r}.")
     if (args.params is None) == (args.model is None):
         raise ValueError("pass exactly one of --params N (plan from numbers) or --model pkg.module:factory (trace "
                          f"the model); got --params={args.params!r} and --model={args.model!r}.")

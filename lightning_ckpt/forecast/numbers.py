@@ -12,9 +12,13 @@ instead of the fused kernel's q, k, v and logsumexp (:func:`math_attention_extra
 ======================  ============================================================
 ``none``                L·A
 ``all``                 L·B + A   (boundaries, plus one block's interior while it replays)
-``every:N``             f·L·B + (1−f)·L·A + A with f = ⌈L/N⌉ / L
+``every:N``             c·B + (max(L, i + 2) − c)·A with c = ⌈L/N⌉ blocks checkpointed, the last at i = N·(c−1)
 ``group:K``/``sqrt``    ⌈L/K⌉·B + K·A
 ======================  ============================================================
+
+``every:N`` checkpoints blocks 0, N, 2N, ... Backward runs from the last block, so when a checkpointed block
+replays its interior, the blocks after it are already freed: the peak is the end of the forward, or the replay of
+the last checkpointed block with everything before it (more only when that block is the last one).
 
 The seed's worked example (1.3 B parameters, bf16 parameters and gradients, Adam with fp32 moments and an fp32
 master copy, 24 blocks of width 2048, micro-batch 2 × 2048 tokens, bf16 activations) gives 2.42 GiB of
@@ -100,6 +104,9 @@ class ForecastInputs:
             raise ValueError(f"--attn-dropout={self.attn_dropout!r} must be a probability in [0, 1).")
         for arg in ("param_dtype", "grad_dtype", "moment_dtype", "master_dtype", "act_dtype"):
             _dtype_bytes(getattr(self, arg), "--" + arg.replace("_", "-"))
+        if not self.policies:
+            raise ValueError(f"--policies={self.policies!r} names no policy; pass one or more, e.g. "
+                             f"{','.join(DEFAULT_POLICIES)!r}.")
         for policy in self.policies:
             parsed = parse_policy(policy)
             if parsed.name not in ("none", "all", "every", "group"):
@@ -149,15 +156,15 @@ class LedgerForecast:
 def forecast_from_numbers(inputs: ForecastInputs) -> LedgerForecast:
     """Compute the ledger for ``inputs``; see the module docstring for the formulas."""
     n = inputs.params
-    params = round(n * _dtype_bytes(inputs.param_dtype, "--param-dtype"))
-    grads = round(n * _dtype_bytes(inputs.grad_dtype, "--grad-dtype"))
+    params = _whole(n * _dtype_bytes(inputs.param_dtype, "--param-dtype"), "--params", n)
+    grads = _whole(n * _dtype_bytes(inputs.grad_dtype, "--grad-dtype"), "--params", n)
     moments = OPTIMIZER_MOMENTS[inputs.optimizer.lower()]
-    optimizer = round(n * moments * _dtype_bytes(inputs.moment_dtype, "--moment-dtype"))
-    master = round(n * _dtype_bytes(inputs.master_dtype, "--master-dtype"))
+    optimizer = _whole(n * moments * _dtype_bytes(inputs.moment_dtype, "--moment-dtype"), "--params", n)
+    master = _whole(n * _dtype_bytes(inputs.master_dtype, "--master-dtype"), "--params", n)
     model_state = params + grads + optimizer + master
     act_bytes = _dtype_bytes(inputs.act_dtype, "--act-dtype")
     hidden_tensor = inputs.micro_batch * inputs.seq_len * inputs.hidden * act_bytes
-    interior = round(inputs.tensors_per_block * hidden_tensor)
+    interior = _whole(inputs.tensors_per_block * hidden_tensor, "--tensors-per-block", inputs.tensors_per_block)
     if inputs.attention == "eager":
         interior += 5 * inputs.heads * inputs.seq_len**2 * inputs.micro_batch
     elif inputs.attention_backend == "math":
@@ -172,6 +179,14 @@ def forecast_from_numbers(inputs: ForecastInputs) -> LedgerForecast:
                                  phases[p], inputs.capacity) for p in inputs.policies}
     return LedgerForecast(params, grads, optimizer, master, model_state, hidden_tensor, inputs.layers * hidden_tensor,
                           interior, activations, peak, inputs.capacity, fits, crosses, asdict(inputs), phases)
+
+
+def _whole(value: float, arg: str, given: float) -> int:
+    """``value`` bytes as an ``int``; a figure so large that its bytes overflow a float is refused, naming it."""
+    if not math.isfinite(value):
+        raise ValueError(f"{arg}={given!r} is too large: its bytes overflow; pass a realistic figure (e.g. --params "
+                         "1.3e9, --tensors-per-block 17).")
+    return round(value)
 
 
 _TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
@@ -230,8 +245,10 @@ def _policy_activations(policy: str, layers: int, boundary: int, interior: int) 
     if parsed.name == "all":
         return layers * boundary + interior
     if isinstance(parsed, EveryPolicy):
+        # blocks 0, N, 2N, ... are checkpointed; when the last of them (i) replays, the blocks after it are freed
         checkpointed = math.ceil(layers / parsed.n)
-        return checkpointed * boundary + (layers - checkpointed) * interior + interior
+        last = parsed.n * (checkpointed - 1)
+        return checkpointed * boundary + (max(layers, last + 2) - checkpointed) * interior
     assert isinstance(parsed, GroupPolicy)
     k = parsed.size(layers)
     return math.ceil(layers / k) * boundary + k * interior

@@ -43,6 +43,7 @@ def test_frontier_command_writes_its_files_and_every_plan_fits_its_budget(tmp_pa
 @pytest.mark.parametrize("value, words", [
     ("abc", "--budgets='abc' is not a size"), ("1", "at least 2"), ("0MiB", "must be a positive size"),
     ("10 parsecs", "unknown unit"), ("", "is empty"),
+    ("40,60", "--budgets='40,60': 40 has no unit"), ("40MiB,60", "60 has no unit"), ("2.5", "2.5 has no unit"),
 ])
 def test_bad_budgets_are_refused_with_the_fix(value, words, tmp_path, capsys):
     assert main(["frontier", GPT, "--budgets", value, "--out", str(tmp_path / "x")]) == 2

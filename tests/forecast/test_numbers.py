@@ -45,7 +45,7 @@ def test_cli_table_and_json(capsys):
     out = capsys.readouterr().out
     for text in ("line                         GiB", "2.42", "9.69", "4.84", "19.37", "16.0 MiB", "384.0 MiB",
                  "verdict (GiB; the highest phase decides)", "activations line crosses 24.00 GiB",
-                 "fits, 1011.6 MiB to spare", "fits, 3.99 GiB to spare"):
+                 "fits, 1.25 GiB to spare", "fits, 3.99 GiB to spare"):
         assert text in out
     assert main(SEED + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -64,6 +64,10 @@ def test_cli_table_and_json(capsys):
         (["--optimizer", "adamq"], "not known"),
         (["--policies", "selective"], "cannot be predicted from numbers"),
         (["--layers", "0"], "positive"),
+        (["--params", "1e308"], "--params=1e+308 is too large"),
+        (["--tensors-per-block", "1e308"], "--tensors-per-block=1e+308 is too large"),
+        (["--policies", ""], "--policies='' names no policy"),
+        (["--policies", " , "], "names no policy"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, extra, words, capsys, monkeypatch):
@@ -99,3 +103,26 @@ def test_phase_peaks_from_numbers_and_the_foreach_temporary():
     assert foreach.phase_peaks["all"]["optimizer"] == foreach.model_state + 1.3e9 * 4
     assert foreach.peak_phase["all"] == "optimizer" and foreach.fits["all"] is False
     assert foreach.crosses["all"] == "optimizer step's temporaries"
+
+
+def test_every_n_replays_a_checkpointed_block_after_the_blocks_behind_it_are_freed():
+    """every:N checkpoints blocks 0, N, 2N, ... Backward runs from the last block: when a checkpointed block replays,
+    the blocks after it are freed, so its interior is added to the blocks up to it, not to all of them."""
+    policies = ("none", "every:2", "every:23", "every:24", "all")
+    plan = _seed_plan(policies=policies)
+    boundary, interior = plan.hidden_tensor, plan.block_interior
+    assert plan.activations["every:2"] == 12 * boundary + 12 * interior  # block 22 replays once block 23 is freed
+    assert round(plan.activations["every:2"] / GiB, 2) == 3.38
+    assert plan.activations["every:24"] == boundary + 23 * interior < plan.activations["none"]
+    # every:23 checkpoints the last block too: its replay comes with every block before it still kept
+    assert plan.activations["every:23"] == 2 * boundary + 22 * interior + interior
+    assert plan.activations["all"] == 24 * boundary + interior
+    assert plan.activations["none"] == 24 * interior
+
+
+def test_the_foreach_help_says_one_parameter_sized_temporary(capsys):
+    """torch's multi-tensor Adam step holds one parameter-sized temporary in total (sqrt of the second moment for
+    every parameter at once), as the forecast counts it: not one per moment."""
+    assert main(["plan", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "one parameter-sized temporary" in text and "per moment" not in text
