@@ -236,3 +236,85 @@ def test_uneven_micro_batches_in_one_bucket_read_the_activation_line_of_the_long
 
     tracked = benchmark_common().measure_memory(step, external=(model, long["input_ids"], long["labels"])).act_peak
     assert reference == pytest.approx(tracked, rel=0.10)
+
+
+# --------------------------------------------------------------------------- every logged line, one matrix run
+
+
+def _padded(T: int, real: int, seed: int) -> dict:
+    batch = _gpt_batch(T, seed)
+    batch["attention_mask"] = (torch.arange(T) < real).long().expand(4, T).contiguous()
+    return batch
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("policy", ["none", "every:2"])
+def test_every_logged_line_against_an_independent_count_uneven_accumulation_with_saves(tmp_path, policy):
+    """Two padded micro-batches of different lengths per step (64 then 36 tokens, reversed at steps 2 and 4; one
+    bucket), a checkpoint saved after every step, every step logged. Against counts the plugin does not own:
+
+    - ``activations``: a dispatch-mode live-tensor count (``_independent.LiveForward``) of the longest micro-batch's
+      forward and backward, on reference and ordinary steps alike;
+    - ``params``, ``grads``, ``optimizer``: ``numel x element_size`` sums over the real tensors;
+    - ``tokens_per_sec``, ``samples_per_sec``, ``step_s``: the masks' non-padding tokens and the samples counted by
+      a callback, over a time inside the wall clocks around the step (a reference step's point: the next ordinary
+      step's), the saves outside it;
+    - ``checkpointing/blocks``: the plan's count.
+    """
+    from _independent import LiveForward
+    from lightning.pytorch import seed_everything
+
+    from lightning_ckpt.demos import GPTLightningModule
+
+    seed_everything(0)
+    model = GPTLightningModule(vocab_size=2048, n_layer=2, n_embd=32, n_head=4, block_size=_LONG)
+    order = [(_LONG, _SHORT), (_LONG, _SHORT), (_SHORT, _LONG), (_LONG, _SHORT), (_SHORT, _LONG)]
+    batches = [_padded(T, T - 3 * i - 1, 10 * i + j) for i, pair in enumerate(order) for j, T in enumerate(pair)]
+    steps = len(order)
+
+    class MaskTokens(StepStart):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            self.start.setdefault(step, time.perf_counter())
+            self.tokens[step] = self.tokens.get(step, 0) + int(batch["attention_mask"].sum())
+
+    cb = ActivationCheckpointing(policy=policy)
+    start, end, writes = MaskTokens(), StepEnd(cb), Writes()
+    save = SlowSave(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
+    Trainer(callbacks=[start, cb, end, save], **trainer_kwargs(
+        tmp_path, max_steps=steps, log_every_n_steps=1, accumulate_grad_batches=2, limit_val_batches=0,
+        num_sanity_val_steps=0, logger=writes, enable_checkpointing=True)).fit(
+        model, train_dataloaders=DataLoader(batches, batch_size=None))
+    series = writes.series
+
+    long = batches[-1]  # the longest micro-batch's shape: the step's activation peak
+    model.zero_grad(set_to_none=True)
+    with LiveForward() as live:
+        model.compute_loss(long).backward()
+    expected_act = live.peak["activations"]
+    params = list(model.parameters())
+    state = [t for s in model.trainer.optimizers[0].state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+    reference = [x for x in range(steps) if end.results[x].reading.exact]
+    assert reference == [0, 1]
+    gib = 2**30
+    for x in range(steps):
+        timed_on = next(t for t in range(x, steps) if t not in reference)
+        assert round(series["memory/activations_gib"][x] * gib) == pytest.approx(expected_act, rel=0.01), x
+        assert round(series["memory/params_gib"][x] * gib) == _nbytes(params)
+        assert round(series["memory/grads_gib"][x] * gib) == _nbytes(params)
+        assert round(series["memory/optimizer_gib"][x] * gib) == _nbytes(state)
+        assert series["checkpointing/blocks"][x] == cb.plan.num_checkpointed
+        step_s = series["time/step_s"][x]
+        assert series["throughput/tokens_per_sec"][x] * step_s == pytest.approx(start.tokens[timed_on], rel=1e-6)
+        assert series["throughput/samples_per_sec"][x] * step_s == pytest.approx(8, rel=1e-6)
+        assert 0 < step_s <= end.end[timed_on] - start.start[timed_on], x
+    assert len(set(start.tokens.values())) == steps  # each step's own count: a point says which step timed it
