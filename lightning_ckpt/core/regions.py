@@ -89,12 +89,14 @@ def _rng_devices(args, kwargs) -> Tuple[str, List[int]]:
     return device_type, sorted({t.get_device() for t in accelerated if t.device.type == device_type})
 
 
-def _rng_snapshot(device_type: str, devices: List[int]) -> List[torch.Tensor]:
+def _rng_snapshot(device_type: str, devices: List[int]) -> List[bytes]:
+    """The generators' states as bytes: compared without dispatching an op (a fake-tensor trace or the user's
+    dispatch mode around the forward must not see, or refuse, the comparison)."""
     states = [torch.get_rng_state()]
     if devices:
         module = _cp._get_device_module(device_type)
         states.extend(module.get_rng_state(d) for d in devices)
-    return states
+    return [state.numpy().tobytes() for state in states]
 
 
 def _autocast_state(device_type: str) -> Tuple[Any, ...]:
@@ -133,7 +135,7 @@ class _Pass:
         self.records: List[Tuple[Any, Any, Any]] = [(first, None, None)]
         self.held: List[Tuple[torch.Tensor, int]] = []  # inputs kept as they were, with their versions
         self.prev: Dict[int, Tuple[int, torch.Tensor, int]] = {}  # id -> (leaf index, tensor, version)
-        self.rng: Optional[List[torch.Tensor]] = None
+        self.rng: Optional[List[bytes]] = None
         self.devices = _rng_devices(args, kwargs)
         self.autocast = _autocast_state(self.devices[0])
         self.frame_hooks = None
@@ -184,7 +186,7 @@ class _Pass:
             return "autocast is switched between its blocks"
         if self.rng is not None:
             now = _rng_snapshot(*self.devices)
-            if len(now) != len(self.rng) or not all(torch.equal(a, b) for a, b in zip(now, self.rng)):
+            if now != self.rng:
                 return "the model draws random numbers between its blocks (dropout or LayerDrop outside the blocks)"
         if any(t._version != v for _, t, v in self.prev.values()):
             return "the model changes a block's output in place between its blocks"

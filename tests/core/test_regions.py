@@ -322,3 +322,29 @@ def test_a_six_plus_six_bart_under_group_sqrt_trains_bitwise():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+@pytest.mark.parametrize("between", [_saves, _dropout])
+def test_a_region_runs_under_fake_tensors_and_a_users_dispatch_mode(between):
+    """The checks between blocks dispatch no op: a fake-tensor trace (the forecast's) cannot answer ``torch.equal``,
+    and a user's dispatch mode must not see the plugin's own work."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = Parent(between)
+    apply_policy(model, "group:2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model(torch.randn(2, 8)).sum().backward()
+        with Ops():
+            model(torch.randn(2, 8)).sum()
+    assert torch.ops.aten.equal.default not in Ops.seen
