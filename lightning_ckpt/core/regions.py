@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.utils.checkpoint as _cp
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_ckpt.core.positional import keywords_as_positional
@@ -92,11 +93,12 @@ def _rng_devices(args, kwargs) -> Tuple[str, List[int]]:
 def _rng_snapshot(device_type: str, devices: List[int]) -> List[bytes]:
     """The generators' states as bytes: compared without dispatching an op (a fake-tensor trace or the user's
     dispatch mode around the forward must not see, or refuse, the comparison)."""
-    states = [torch.get_rng_state()]
-    if devices:
-        module = _cp._get_device_module(device_type)
-        states.extend(module.get_rng_state(d) for d in devices)
-    return [state.numpy().tobytes() for state in states]
+    with _disable_current_modes():  # the real generators' states, never a fake tensor
+        states = [torch.get_rng_state()]
+        if devices:
+            module = _cp._get_device_module(device_type)
+            states.extend(module.get_rng_state(d) for d in devices)
+        return [state.numpy().tobytes() for state in states]
 
 
 def _autocast_state(device_type: str) -> Tuple[Any, ...]:

@@ -343,6 +343,7 @@ def test_a_region_runs_under_fake_tensors_and_a_users_dispatch_mode(between):
     apply_policy(model, "group:2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.simplefilter("error", UserWarning)  # FakeTensor's data pointer read: the states must be real
         with FakeTensorMode(allow_non_fake_inputs=True):
             model(torch.randn(2, 8)).sum().backward()
         with Ops():
