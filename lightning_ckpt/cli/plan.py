@@ -11,6 +11,7 @@ from typing import Optional
 from lightning_ckpt.core.policy import parse_policy_list
 from lightning_ckpt.core.units import format_bytes, parse_size, unit_for
 from lightning_ckpt.decide.anatomy import anatomy_text
+from lightning_ckpt.forecast.cuda import SDPA_BACKENDS
 from lightning_ckpt.forecast.load import load_init_args
 from lightning_ckpt.forecast.numbers import (
     DEFAULT_POLICIES,
@@ -178,6 +179,9 @@ def _run_plan_model(args) -> int:
         raise ValueError(f"--vocab-size={args.vocab_size!r} must be a positive integer.")
     capacity = _capacity(args.capacity)
     device = args.device or ("cuda" if capacity is not None else "cpu")
+    if args.sdpa_backend is not None and args.sdpa_backend not in SDPA_BACKENDS:  # before the model is built
+        raise ValueError(f"--sdpa-backend={args.sdpa_backend!r} is not an SDPA backend; choose one of "
+                         f"{list(SDPA_BACKENDS)} ('auto' picks the backend the target GPU would run for each call).")
     if args.sdpa_backend is not None and device != "cuda":
         raise ValueError(f"--sdpa-backend={args.sdpa_backend!r} only applies with --device cuda (the CPU runs its own "
                          "kernel); drop it or pass --device cuda.")

@@ -29,6 +29,7 @@ parameters, 2.42 GiB of gradients, 9.69 GiB of moments, 4.84 GiB of master copy 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -44,6 +45,7 @@ __all__ = [
     "ForecastInputs",
     "LedgerForecast",
     "attention_call",
+    "check_positions",
     "crossing_line",
     "forecast_from_numbers",
     "math_attention_extra",
@@ -179,6 +181,27 @@ def forecast_from_numbers(inputs: ForecastInputs) -> LedgerForecast:
                                  phases[p], inputs.capacity) for p in inputs.policies}
     return LedgerForecast(params, grads, optimizer, master, model_state, hidden_tensor, inputs.layers * hidden_tensor,
                           interior, activations, peak, inputs.capacity, fits, crosses, asdict(inputs), phases)
+
+
+_POSITION_TABLE = re.compile(r"wpe|pos", re.IGNORECASE)
+_POSITION_FIELDS = ("n_positions", "max_position_embeddings", "block_size")
+
+
+def check_positions(model: torch.nn.Module, seq_len: int) -> None:
+    """Refuse ``seq_len`` past a learned position table (GPT-2's ``wpe``: a longer sequence indexes past its rows
+    and the real step fails), naming the limit: the config's ``n_positions``/``max_position_embeddings``/
+    ``block_size`` when set (OPT's table has two extra rows), else the table's rows. Rotary and other computed
+    positions have no table and no limit here: a config's maximum positions alone never refuses a length."""
+    config = getattr(model, "config", None)
+    for name, module in model.named_modules():
+        if not (isinstance(module, torch.nn.Embedding) and _POSITION_TABLE.search(name.rsplit(".", 1)[-1])):
+            continue
+        field = next((f for f in _POSITION_FIELDS if isinstance(getattr(config, f, None), int)), None)
+        limit = min(getattr(config, field), module.num_embeddings) if field else module.num_embeddings
+        if seq_len > limit:
+            more = f"a larger {field} in --init-args" if field else "a longer position table"
+            raise ValueError(f"--seq-len={seq_len} is past the model's {limit} positions (its position table "
+                             f"{name!r}); pass --seq-len {limit} or less, or build the model with {more}.")
 
 
 def _whole(value: float, arg: str, given: float) -> int:

@@ -62,7 +62,13 @@ from lightning_ckpt.forecast.load import (
     make_batch,
     make_optimizers,
 )
-from lightning_ckpt.forecast.numbers import DTYPE_BYTES, LedgerForecast, crossing_line, phase_crossing
+from lightning_ckpt.forecast.numbers import (
+    DTYPE_BYTES,
+    LedgerForecast,
+    check_positions,
+    crossing_line,
+    phase_crossing,
+)
 from lightning_ckpt.forecast.precision import Precision, parse_precision
 from lightning_ckpt.measure.ledger import model_state_bytes, state_tensors
 from lightning_ckpt.measure.meter import StepMeter
@@ -250,6 +256,7 @@ def forecast_model(
                 cast_floating(model, dtype)
             model.train()
             batch = make_batch(model, micro_batch, seq_len, vocab_size)
+        check_positions(model, seq_len)  # before tracing: past a learned position table the real step fails
         plan = apply_policy(model, "none", blocks)
     num_blocks, block_class = plan.num_blocks, type(plan.blocks[0]).__name__
     boundary = {"bytes": 0}

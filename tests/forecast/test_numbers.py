@@ -126,3 +126,14 @@ def test_the_foreach_help_says_one_parameter_sized_temporary(capsys):
     assert main(["plan", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "one parameter-sized temporary" in text and "per moment" not in text
+
+
+def test_plan_model_refuses_a_length_past_the_models_learned_positions(capsys):
+    """GPT-2's position table has n_positions rows: a longer sequence fails on the real step (an index past the
+    table), so the forecast refuses it naming the limit, before tracing anything."""
+    gpt2 = ["plan", "--model", "lightning_ckpt.demos.factories:gpt2_config", "--policies", "none"]
+    assert main(gpt2 + ["--seq-len", "2048"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq-len=2048" in err and "128 positions" in err and "--seq-len 128" in err
+    assert main(gpt2 + ["--seq-len", "256", "--init-args", '{"n_positions": 256}', "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["activations"]["none"] > 0
