@@ -21,7 +21,8 @@ Modes (per block, changeable at any time through :class:`CheckpointPlan`):
   block's graph keeps and recomputes. PyTorch applies one budget per compiled graph, covering all of it, so the
   block must be its own graph (``block.compile()``); run eagerly (or with ``force_eager``) it is ``off``.
 
-``group:K`` policies make K consecutive ``recompute`` blocks one region (:mod:`lightning_ckpt.core.regions`).
+``group:K`` policies make K consecutive ``recompute`` blocks of one stack one region, split at run time where the
+parent does work between them that the replay would skip (:mod:`lightning_ckpt.core.regions`).
 
 Recompute happens only while the block is training and grad is enabled: ``eval()``, ``torch.no_grad()`` and
 ``torch.inference_mode()`` always take the plain forward.

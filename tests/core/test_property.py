@@ -1,10 +1,11 @@
 """Property: turning checkpointing on never changes what the model learns.
 
 Random small models are built from a grammar of what a parent does between its blocks (dropout, LayerDrop's draw,
-an in-place op, a parameter-free op, a saving op, a block reused, a stack looped twice, two forwards before one
-backward, an outer ``saved_tensors_hooks``, two stacks) and trained one step under every policy of the grammar, in
-float32 with dropout. The gradients must equal the plain model's bitwise, or the plugin must refuse before training
-with a message naming the pattern. Seeded; bounded in time (cases stop after ``BUDGET_S``)."""
+an in-place op, a parameter-free op, a saving op, a block reused, the next block under autocast, a stack looped
+twice, two forwards before one backward, an outer ``saved_tensors_hooks``, two stacks) and trained one step under
+every policy of the grammar, in float32 with dropout. The gradients must equal the plain model's bitwise, or the
+plugin must refuse before training with a message naming the pattern. Seeded; bounded in time (cases stop after
+``BUDGET_S``)."""
 
 import copy
 import random
@@ -21,11 +22,11 @@ from lightning_ckpt import apply_policy
 from lightning_ckpt.core.blocks import find_blocks
 
 SEED = 35
-CASES = 120
+CASES = 300
 BUDGET_S = 12.0
 WIDTH = 6
 
-GAPS = ("nothing", "dropout", "layerdrop", "in_place", "parameter_free", "saves", "reuse")
+GAPS = ("nothing", "dropout", "layerdrop", "in_place", "parameter_free", "saves", "reuse", "autocast_next")
 POLICIES = ("none", "all", "every:2", "first:2", "blocks:0,2", "group:2", "group:3", "group:sqrt", "selective",
             "selective:mm", "selective:gelu,addmm", "offload", "modes")
 
@@ -41,7 +42,7 @@ class Block(nn.Module):
         h = F.gelu(self.fc(x))
         if bias is not None:
             h = h + bias
-        return F.dropout(h, self.p, self.training) * scale
+        return F.dropout(h, self.p, self.training).float() * scale
 
 
 class Stack(nn.Module):
@@ -54,6 +55,7 @@ class Stack(nn.Module):
         self.bias = nn.Parameter(torch.full((WIDTH,), 0.1))
 
     def forward(self, x, loops: int):
+        self.autocast_next = False
         for _ in range(loops):
             for i, block in enumerate(self.layers):
                 x = self._call(block, x)
@@ -61,9 +63,11 @@ class Stack(nn.Module):
         return x
 
     def _call(self, block, x):
-        if block.takes_bias:
-            return block(x, self.bias * 2, scale=0.5)
-        return block(x)
+        autocast, self.autocast_next = self.autocast_next, False
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if block.takes_bias:
+                return block(x, self.bias * 2, scale=0.5)
+            return block(x)
 
     def _gap(self, i, x):
         gap = self.gaps[i]
@@ -81,6 +85,7 @@ class Stack(nn.Module):
             return torch.sigmoid(x) * self.gate
         if gap == "reuse":
             return self._call(self.layers[self.reuse[i]], x)
+        self.autocast_next = gap == "autocast_next"  # the next block runs under bfloat16 autocast
         return x
 
 
