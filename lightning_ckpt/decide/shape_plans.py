@@ -30,6 +30,7 @@ predicted over the budget is chosen again for the bucket's next step (a predicti
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -264,6 +265,54 @@ class ShapePlanner:
         """The smallest activation budget any plan of the solver's modes meets at ``bucket``'s shape (bytes)."""
         costs, base, _ = self.costs(bucket)
         return smallest_budget(costs, base, self.modes)
+
+    def lowest_plan(self, bucket: Shape) -> BudgetPlan:
+        """The plan with the lowest predicted activation peak at ``bucket``'s shape."""
+        costs, base, _ = self.costs(bucket)
+        return plan_budget(costs, 0, base=base, modes=self.modes)
+
+    def longest(self, first: Shape, target: int, limit: Optional[int] = None,
+                checks: int = 4) -> Tuple[Optional[Shape], Optional[BudgetPlan]]:
+        """The longest single-length shape of ``first``'s micro-batch that some plan holds within ``target`` bytes.
+
+        The plan with the lowest peak at ``first``'s bucket is traced on fake tensors at twice that length; its peak
+        fitted as ``T·(a + b·T)`` through the two lengths (a quadratic term — a materialised attention matrix — is
+        seen) gives the longest length, where it is traced again, and the length is moved down until it holds (at
+        most ``checks`` traces, each one step on fake tensors). Returns the shape and that plan with its peak there;
+        ``(None, plan)`` when not even ``first``'s bucket is held (the plan: its lowest); ``(None, None)`` for shapes
+        of other than one length."""
+        if len(first.lengths) != 1:
+            return None, None
+        bucket = bucket_of(first)
+        lowest = self.lowest_plan(bucket)
+        if lowest.predicted_peak > target:
+            return None, lowest
+        short, top = bucket.lengths[0], limit or 1 << 22
+        if top <= short:
+            return Shape(first.samples, (top,)), lowest
+
+        def peak_at(length: int) -> int:
+            shape = Shape(first.samples, (length,))
+            traced = self._trace(shape, [tuple(lowest.modes)])[0] if self._trace is not None else None
+            return self.model_peak(bucket, lowest.modes, shape) if traced is None else round(traced * self.unit())
+
+        long = min(2 * short, top)
+        y1, y2 = lowest.predicted_peak / short, peak_at(long) / long  # bytes per token at the two lengths
+        b = max((y2 - y1) / (long - short), 0.0)
+        a = y1 - b * short
+        # the largest T with T·(a + b·T) <= target
+        length = target / a if b == 0 else (-a + math.sqrt(a * a + 4 * b * target)) / (2 * b)
+        length = max(short, min(top, int(length)))
+        for _ in range(checks):
+            if length <= short:
+                return bucket, lowest
+            peak = peak_at(length)
+            if peak <= target:
+                return Shape(first.samples, (length,)), dataclasses.replace(lowest, predicted_peak=peak,
+                                                                            budget=target)
+            # the activations grow at least linearly in the length: scale it down by the overshoot, and a bit more
+            length = max(short, int(length * target / peak * 0.98))
+        return bucket, lowest
 
     # -- plans
     def plan(self, bucket: Shape) -> BucketPlan:

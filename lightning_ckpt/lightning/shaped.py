@@ -172,6 +172,8 @@ class ShapeSteps(ShapeReader):
         self._max_length: Any = _UNREAD
         self._fallback: Optional[str] = None  # why pricing on fake tensors failed
         self.errors: Dict[Shape, float] = {}
+        self.longest: Optional[Shape] = None  # the longest shape the budget holds (no max_shape): found before step 1
+        self.pricing_s = 0.0  # seconds spent pricing shapes on fake tensors
         self.cache: List[float] = []  # memory/cache_gib of the measured steps, in bytes
 
     # ------------------------------------------------------------------------------------------ pricing
@@ -265,6 +267,8 @@ class ShapeSteps(ShapeReader):
         cap = self.engine.settings.shape_cap
         if cap is None:
             length = self._model_max_length()
+            if self.longest is not None and len(shape.lengths) == 1 and shape.samples <= self.longest.samples:
+                length = min(length or self.longest.lengths[0], self.longest.lengths[0])
             cap = Shape(bucket_of(Shape(shape.samples)).samples, (length,) * len(shape.lengths)) if length else None
         return cap if cap is not None and len(cap.lengths) == len(shape.lengths) else None
 
@@ -276,18 +280,42 @@ class ShapeSteps(ShapeReader):
         return self._max_length
 
     def _check_longest(self, trainer: "pl.Trainer", shape: Shape, bucket: Shape) -> None:
-        """Before the first step: a budget no plan meets at the longest shape fails now (module docstring)."""
-        cap = self._cap(shape)
-        if cap is None or not cap.covers(bucket):
+        """Before the first step (module docstring): an explicit ``max_shape`` no plan meets fails now; without one,
+        the longest length the budget holds at this micro-batch is found on fake tensors and reported, and becomes
+        the bucket cap (a batch up to it runs a plan made for its own length, not the next power of two's)."""
+        explicit = self.engine.settings.shape_cap
+        target = self.engine.calibration.target if self.engine.calibration is not None else self.budget
+        if explicit is not None:
+            if len(explicit.lengths) != len(shape.lengths) or not explicit.covers(bucket):
+                return
+            floor = self._smallest(explicit)
+            if floor is not None and floor > target:
+                raise ValueError(
+                    f"lightning_ckpt: raise the budget to at least {format_bytes(self._with_margin(floor))}, pass a "
+                    f"shorter max_shape (the longest batch your data has) or a smaller micro-batch: policy "
+                    f"{self.engine.settings.budget.spec!r} cannot be met at max_shape={str(explicit)!r} "
+                    f"(micro-batch x length), where the smallest feasible activation budget is "
+                    f"{format_bytes(self._with_margin(floor))}.")
             return
-        floor = self._smallest(cap)
-        if floor is not None and floor > self.budget:
-            raise ValueError(
-                f"lightning_ckpt: raise the budget to at least {format_bytes(floor)}, pass a shorter max_shape (the "
-                f"longest batch your data has) or a smaller micro-batch: policy "
-                f"{self.engine.settings.budget.spec!r} cannot be met at the longest shape this run can see, "
-                f"{cap} (micro-batch x length), where the smallest feasible activation budget is "
-                f"{format_bytes(floor)}.")
+        import time
+
+        start = time.perf_counter()
+        try:
+            longest, plan = self.planner.longest(shape, target, self._model_max_length())
+        except PricingError:
+            return
+        self.pricing_s += time.perf_counter() - start
+        self.longest = longest
+        if longest is not None and plan is not None:
+            self.engine.info(f"budget {format_bytes(self.budget)} holds micro-batch {longest.samples} up to "
+                             f"{longest.lengths[0]:,} tokens ({_mix(plan.modes)}, predicted activation peak "
+                             f"{format_bytes(plan.predicted_peak)}); found on fake tensors in "
+                             f"{time.perf_counter() - start:.1f} s")
+
+    def _with_margin(self, floor: int) -> int:
+        """The budget that holds a plan of ``floor`` bytes with the margin left free."""
+        margin = self.engine.calibration.margin if self.engine.calibration is not None else 0.0
+        return math.ceil(floor / (1 - margin))
 
     def _smallest(self, bucket: Shape) -> Optional[int]:
         try:
@@ -405,6 +433,14 @@ class ShapeSteps(ShapeReader):
                 "fallback": self._fallback,
                 "buckets": {str(b): p.as_dict() for b, p in sorted(self.planner.plans.items())},
                 "cache": self.cache_report()}
+
+
+def _mix(modes: Sequence[str]) -> str:
+    from lightning_ckpt.decide.budget import mode_mix
+
+    if all(m == "recompute" for m in modes):
+        return "every block recomputed"
+    return mode_mix(modes)
 
 
 def _describe(plan: BucketPlan) -> str:

@@ -37,11 +37,11 @@ class Steps(Callback):
         self.rows.append((batch["input_ids"].shape[1], cb.plan.modes, measured))
 
 
-def _fit(tmp_path, model, batches, policy, steps=None, **kwargs):
+def _fit(tmp_path, model, batches, policy, steps=None, callbacks=(), **kwargs):
     seed_everything(0)
     cb = ActivationCheckpointing(policy=policy, **kwargs.pop("callback", {}))
     rec = Steps()
-    trainer = Trainer(callbacks=[cb, rec], **trainer_kwargs(tmp_path, max_steps=steps or len(batches),
+    trainer = Trainer(callbacks=[cb, rec, *callbacks], **trainer_kwargs(tmp_path, max_steps=steps or len(batches),
                                                              limit_val_batches=0, num_sanity_val_steps=0,
                                                              log_every_n_steps=1, **kwargs))
     trainer.fit(model, DataLoader(batches, batch_size=None))
@@ -86,12 +86,46 @@ def test_without_per_shape_plans_the_long_step_would_have_run_over_the_budget(tm
     assert plain_rows[-1][2] > 8 * MiB  # run un-checkpointed, the long batch is over the budget
 
 
-def test_a_budget_no_plan_meets_at_the_longest_shape_fails_before_the_first_step(tmp_path):
+def test_the_configs_maximum_positions_never_refuse_a_run_and_the_longest_length_is_found_before_step_1(tmp_path):
+    """The model declares 256 positions; the data has 32 tokens. A budget no plan meets at 256 but met at 32 is not
+    refused (it was: 'cannot be met at the longest shape this run can see, 4 x 256'): before step 1 the longest
+    length the budget holds at this micro-batch is found on fake tensors, reported, and true: every block recomputed
+    fits there and not much further (the next 8 tokens do not)."""
+    import logging
+
+    records, checked = [], {}
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+
+    class Check(Callback):  # after the first step, while the run's batch is at hand: every block recomputed, traced
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
+            shapes = cb._engine.shapes
+            if batch_idx == 0 and shapes.longest is not None:
+                n = shapes.longest.lengths[0]
+                checked.update({length: shapes.trace(Shape(4, (length,)), [("recompute",) * 4])[0]
+                                for length in (n, n + 8)})
+
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
+    try:
+        cb, rows = _fit(tmp_path, _gpt(), [_batch(32, seed=i) for i in range(4)], "budget:3MiB", callbacks=[Check()])
+    finally:
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(handler)
+    longest, target = cb._engine.shapes.longest, cb.calibration.target
+    assert longest is not None and longest.samples == 4 and 32 <= longest.lengths[0] < 256
+    n = longest.lengths[0]
+    assert checked[n] <= target < checked[n + 8] / 0.97  # it holds there, and the search stopped near the limit
+    said = [m for m in records if "holds micro-batch 4 up to" in m]
+    assert len(said) == 1 and f"up to {longest.lengths[0]:,} tokens" in said[0], records
+    assert all(peak is None or peak <= 3 * MiB for _, _, peak in rows)
+
+
+def test_an_explicit_max_shape_no_plan_meets_fails_before_the_first_step(tmp_path):
     model = _gpt()
     before = params_of(model)
-    with pytest.raises(ValueError, match=r"raise the budget to at least .* MiB, pass a shorter max_shape .* the "
-                                         r"longest shape this run can see, 4 x 256"):
-        _fit(tmp_path, model, [_batch(32)] * 4, "budget:3MiB")
+    with pytest.raises(ValueError, match=r"raise the budget to at least .* MiB, pass a shorter max_shape .* "
+                                         r"max_shape='4 x 256'"):
+        _fit(tmp_path, model, [_batch(32)] * 4, "budget:3MiB", callback=dict(max_shape="4x256"))
     assert all(torch.equal(v, params_of(model)[k]) for k, v in before.items())  # no step ran
     # the same budget with the data's own longest shape named: it fits there
     _fit(tmp_path / "capped", _gpt(), [_batch(32)] * 2, "budget:3MiB", callback=dict(max_shape="4x32"))
