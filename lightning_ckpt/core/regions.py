@@ -279,6 +279,11 @@ class GroupRegion:
         state.update(open=None, _spans={})
         return state
 
+    def __setstate__(self, state) -> None:
+        # a region pickled by an older version carries its forward state in other attributes: start afresh
+        self.members, self.anchor = state["members"], state["anchor"]
+        self.open, self._spans = None, {}
+
     def span(self, start: int, stop: int) -> Any:
         """The replay owner of members ``start:stop``: the region itself when whole, else a stable part."""
         if (start, stop) == (0, len(self.members)):

@@ -114,6 +114,7 @@ class _Shared:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         names = state.pop("save_op_names", ())
         self.__dict__.update(state)
+        self.__dict__.setdefault("group_warnings", set())  # pickled by an older version
         self.set_save_ops(names)
 
     def set_save_ops(self, names: Sequence[str]) -> None:
@@ -181,6 +182,9 @@ def _keep_unless_random(keep, ctx, op, *args, **kwargs) -> _cp.CheckpointPolicy:
 
 
 _COMPILER_PREFIX = COMPILER_MODE + ":"
+# calls fn(*args); dynamo, seeing this very function as a subgraph's body, lets that body mutate outer Python state
+# (absent before torch 2.12: a block with a side effect then runs eagerly under compile, as it did)
+_ALLOW_SIDE_EFFECTS = getattr(torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", None)
 _SAC_RESPECTS_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_cp.checkpoint).parameters
 
 
@@ -231,6 +235,12 @@ class _BlockForward:
         fn = observed(self, self.run) if not torch.compiler.is_compiling() and replay_hooks_active() else self.run
         # keyword values travel positionally: checkpoint restores the RNG of the devices of its positional tensors only
         fn, inputs = keywords_as_positional(fn, args, kwargs)
+        if _ALLOW_SIDE_EFFECTS is not None and torch.compiler.is_compiling():
+            # dynamo refuses a Python side effect in a checkpoint body (a graph break, the block run eagerly): the
+            # attention of transformers >= 5.25 sets and resets a module-level context variable on every call. Its
+            # effects run once in the forward, as without checkpointing; the compiled backward replays the traced
+            # tensors only. Allowed in the plugin's own regions only, never in the user's checkpoint calls
+            return _cp.checkpoint(_ALLOW_SIDE_EFFECTS, fn, *inputs, **self.shared.checkpoint_kwargs(mode))
         return _cp.checkpoint(fn, *inputs, **self.shared.checkpoint_kwargs(mode))
 
     # saved-tensor hooks cannot live inside a compiled graph: under torch.compile an offloaded block runs eagerly

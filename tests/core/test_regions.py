@@ -349,3 +349,25 @@ def test_a_region_runs_under_fake_tensors_and_a_users_dispatch_mode(between):
         with Ops():
             model(torch.randn(2, 8)).sum()
     assert torch.ops.aten.equal.default not in Ops.seen
+
+
+def test_a_region_and_plan_state_pickled_by_the_previous_version_load():
+    """The previous version pickled a region's forward state (gen, records, next, prev_leaves, between) and no
+    per-plan warning set: loading such a state starts afresh instead of failing at the first split."""
+    from lightning_ckpt.core.regions import GroupRegion
+    from lightning_ckpt.core.wrap import get_plan
+
+    model = Parent(_dropout)
+    plan = apply_policy(model, "group:2")
+    for region in plan._regions:
+        old = {"members": region.members, "anchor": region.anchor, "gen": None, "records": [], "next": 0,
+               "prev_leaves": {}, "between": None}
+        region.__dict__.clear()
+        GroupRegion.__setstate__(region, old)
+    shared = get_plan(model).shared
+    state = shared.__getstate__()
+    del state["group_warnings"]
+    shared.__dict__.clear()
+    shared.__setstate__(state)
+    with pytest.warns(RuntimeWarning, match="random numbers"):
+        model(torch.randn(2, 8)).sum().backward()
