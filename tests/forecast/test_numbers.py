@@ -137,3 +137,26 @@ def test_plan_model_refuses_a_length_past_the_models_learned_positions(capsys):
     assert "--seq-len=2048" in err and "128 positions" in err and "--seq-len 128" in err
     assert main(gpt2 + ["--seq-len", "256", "--init-args", '{"n_positions": 256}', "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["activations"]["none"] > 0
+
+
+@pytest.mark.parametrize("config", ["tiny", "benchmark"])
+def test_adafactor_from_numbers_is_its_factored_state(config):
+    """torch.optim.Adafactor keeps a matrix's second moment as a row and a column vector (r + c values, not r·c)
+    and a vector's in full: the demo GPT's real state, measured after a step, against the numbers route."""
+    import torch
+
+    from lightning_ckpt.demos.gpt import GPT, GPTConfig
+    from lightning_ckpt.measure.ledger import model_state_bytes
+
+    cfg = getattr(GPTConfig, config)()
+    model = GPT(cfg)
+    opt = torch.optim.Adafactor(model.parameters())
+    idx = torch.randint(0, cfg.vocab_size, (1, 8))
+    model(idx, idx)[1].backward()
+    opt.step()
+    real = model_state_bytes(model, opt).optimizer
+    n = sum(p.numel() for p in model.parameters())
+    plan = forecast_from_numbers(ForecastInputs(params=n, optimizer="adafactor", layers=cfg.n_layer,
+                                                hidden=cfg.n_embd, param_dtype="fp32", grad_dtype="fp32"))
+    assert plan.optimizer == pytest.approx(real, rel=0.03)
+    assert plan.optimizer < n  # under a byte per parameter, where one full fp32 moment is four
