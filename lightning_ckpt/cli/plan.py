@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
                           "lightning_ckpt.demos.factories:gpt2_config, lightning_ckpt.demos.factories:llama_7b_config")
     p.add_argument("--init-args", default=None, metavar="JSON", help="--model: keyword arguments as a JSON object")
     p.add_argument("--config", default=None, metavar="YAML",
-                   help="--model: LightningCLI-style YAML (model: {class_path, init_args} or model: {...})")
+                   help="--model: LightningCLI-style YAML (model: {class_path, init_args} or model: {...}); its "
+                        "class_path is the model when --model is not given")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="--model: token-id range of the synthetic batch (default: read from the model)")
     p.add_argument("--param-dtype", default=None,
@@ -115,9 +116,12 @@ def run(args) -> int:
     if not [p for p in args.policies.split(",") if p.strip()]:
         raise ValueError(f"--policies={args.policies!r} names no policy; pass one or more, e.g. "
                          f"{','.join(DEFAULT_POLICIES)!r}.")
+    if args.model is None and args.params is None and args.config is not None:
+        args.model = load_init_args(None, args.config)[0]  # model.class_path, as profile --config reads it
     if (args.params is None) == (args.model is None):
         raise ValueError("pass exactly one of --params N (plan from numbers) or --model pkg.module:factory (trace "
-                         f"the model); got --params={args.params!r} and --model={args.model!r}.")
+                         "the model, or a --config whose model has a class_path); got "
+                         f"--params={args.params!r} and --model={args.model!r}.")
     if args.model is not None:
         return _run_plan_model(args)
     for name in ("init_args", "config", "vocab_size", "precision", "device", "sdpa_backend"):

@@ -160,3 +160,17 @@ def test_adafactor_from_numbers_is_its_factored_state(config):
                                                 hidden=cfg.n_embd, param_dtype="fp32", grad_dtype="fp32"))
     assert plan.optimizer == pytest.approx(real, rel=0.03)
     assert plan.optimizer < n  # under a byte per parameter, where one full fp32 moment is four
+
+
+def test_plan_takes_the_model_from_a_config_that_names_its_class_path(tmp_path, capsys):
+    """The LightningCLI-style YAML ``profile --config`` accepts (model.class_path and init_args, a data section)
+    plans without --model; --params with it is still refused."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("model:\n  class_path: lightning_ckpt.demos.lightning_gpt.GPTLightningModule\n  init_args:\n"
+                   "    n_layer: 2\n    n_embd: 32\n    n_head: 2\n    block_size: 32\n"
+                   "data:\n  class_path: lightning_ckpt.demos.lightning_gpt.CharDataModule\n")
+    assert main(["plan", "--config", str(cfg), "--seq-len", "32", "--policies", "none", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["blocks"] == 2 and data["activations"]["none"] > 0
+    assert main(["plan", "--config", str(cfg), "--params", "1e9"]) == 2
+    assert "only applies with --model" in capsys.readouterr().err
