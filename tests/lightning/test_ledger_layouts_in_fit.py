@@ -46,3 +46,42 @@ def test_a_fit_with_torchao_adamw8bit_logs_the_states_storage(tmp_path, monkeypa
     params = list(model.parameters())
     assert logged == pytest.approx(_adamw8bit_known(params), rel=0.03)
     assert logged < 0.5 * 8 * sum(p.numel() for p in params)  # an fp32 Adam's 8 bytes per parameter
+
+
+def test_a_module_returning_two_optimizers_logs_their_sum(tmp_path):
+    """A Muon + AdamW pair from configure_optimizers (manual optimization): the optimizer line is both states."""
+
+    class TwoOptimizers(GPTLightningModule):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.automatic_optimization = False
+
+        def configure_optimizers(self):
+            matrices = [p for p in self.parameters() if p.ndim == 2]
+            return [torch.optim.Muon(matrices, lr=1e-3),
+                    torch.optim.AdamW([p for p in self.parameters() if p.ndim != 2], lr=1e-3)]
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            optimizers = self.optimizers()
+            for opt in optimizers:
+                opt.zero_grad()
+            self.manual_backward(loss)
+            for opt in optimizers:
+                opt.step()
+            return loss
+
+    seed_everything(0)
+    model = TwoOptimizers(n_layer=2, n_embd=64, n_head=4, block_size=32, dropout=0.0)
+    tok = torch.randint(0, 96, (2, 33), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": tok[:, :-1].contiguous(), "labels": tok[:, 1:].contiguous()}
+    cb = ActivationCheckpointing(policy="none")
+    Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=2, log_every_n_steps=1, limit_val_batches=0,
+                                             num_sanity_val_steps=0)).fit(
+        model, train_dataloaders=DataLoader([batch] * 4, batch_size=None))
+
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    vectors = [p for p in model.parameters() if p.ndim != 2]
+    muon = sum(4 * p.numel() for p in matrices)  # one fp32 momentum buffer per matrix
+    adamw = sum(2 * 4 * p.numel() + 4 for p in vectors)  # two moments and a step per vector
+    assert round(cb.last_metrics["memory/optimizer_gib"] * GiB) == muon + adamw
