@@ -60,6 +60,22 @@ def test_the_report_is_written_for_every_max_steps_and_log_every_n_steps(tmp_pat
         assert os.path.exists(os.path.join(folder, TIMELINE_FILE))
 
 
+def test_each_fit_reports_its_own_steps_and_report_false_measures_no_extra_step(tmp_path):
+    """A second fit with the same callback reports its own first step, not the first fit's last one; with
+    ``report=False`` a fit without a logging step measures nothing."""
+    cb = ActivationCheckpointing(policy="every:2")
+    for i, (steps, every) in enumerate(((3, 1), (2, 50))):
+        trainer = Trainer(callbacks=[cb], **trainer_kwargs(tmp_path / str(i), max_steps=steps, log_every_n_steps=every,
+                                                           limit_val_batches=0, num_sanity_val_steps=0))
+        trainer.fit(TinyTransformer())
+        with open(os.path.join(trainer.log_dir, REPORT_FILE)) as fh:
+            assert (json.load(fh)["step"], cb.last_result is not None) == ((2, True), (0, True))[i]
+    quiet = ActivationCheckpointing(policy="every:2", report=False)
+    Trainer(callbacks=[quiet], **trainer_kwargs(tmp_path / "quiet", max_steps=2, log_every_n_steps=50,
+                                                limit_val_batches=0, num_sanity_val_steps=0)).fit(TinyTransformer())
+    assert quiet.last_result is None
+
+
 # ------------------------------------------------------------------------------------------------- step time
 
 
