@@ -243,14 +243,13 @@ class _Pass:
 
     # -- backward
     def replay(self, *first_args, **first_kwargs):
-        for tensor, version in self.held:
-            if tensor._version != version:
-                names = [m.name for m, _, _ in self.records]
-                raise RuntimeError(
-                    f"lightning_ckpt: do not change a tensor in place after passing it to a block, or use 'all' "
-                    f"instead of 'group:K': an input of the region {names[0]}…{names[-1]} was modified after the "
-                    "forward (version {} now, {} then), so its blocks cannot be replayed.".format(
-                        tensor._version, version))
+        if any(tensor._version != version for tensor, version in self.held):
+            names = [m.name for m, _, _ in self.records]
+            # PyTorch refuses a saved tensor changed in place the same way; replaying from it would be silently wrong
+            raise RuntimeError(
+                "lightning_ckpt: do not change a tensor in place after passing it to a block (or use 'all' instead "
+                f"of 'group:K'): an input of blocks {names[0]}…{names[-1]} was changed before backward, so they "
+                "cannot be replayed.")
         owner = self.region.span(self.start, self.start + len(self.records))
         if replay_hooks_active():
             return notify_replay(owner, self._replay_members, first_args, first_kwargs)
