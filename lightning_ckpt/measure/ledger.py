@@ -97,6 +97,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 # code map, nested statistics), ``Int8Params.SCB`` (row scales). Named, not discovered: other libraries hang
 # unrelated tensors on parameters (hooks' buffers, FSDP1 bookkeeping) that are not this parameter's storage.
 _ATTACHED = ("quant_state", "SCB")
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _attached(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -112,6 +113,9 @@ def _leaves(t: torch.Tensor) -> Iterator[torch.Tensor]:
     """The plain tensors whose storages hold ``t``: a traceable wrapper subclass (DTensor, torchao's quantised
     optimizer states and NF4 weights) unwrapped to its inner tensors, recursively, with the quantisation state
     bitsandbytes attaches to its weights."""
+    if type(t) in _PLAIN:  # the common case, without the attribute look-ups below
+        yield t
+        return
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         for name in attrs:
@@ -323,9 +327,10 @@ def model_state_bytes(
     model_params = list(model.parameters())
     for p in model_params:
         params_t.add(p)
+    model_keys = params_t.seen | (host.seen if host is not None else set())  # only parameters counted so far
+    for p in model_params:
         grads_t.add(p.grad)
     model_ids = {id(p) for p in model_params}
-    model_keys = set().union(*(_keys(p) for p in model_params)) if model_params else set()
 
     optimizers = _as_optimizers(optimizers)
     opt_t = _Tally(dev, seen=set(params_t.seen), host=host)  # a state entry aliasing a parameter is not extra memory
