@@ -454,6 +454,8 @@ class BudgetCalibration:
         self._raised = 0  # bytes the bases were raised by after a verifying step read above its prediction
         self._verifications = 0
         self._paused = False  # a prediction's fake step is running: the hooks measure nothing
+        self._mixed = False  # a micro-batch of another shape ran in this step: its peak is not the stage's
+        self.measuring = True  # the micro-batch in flight is of the calibration's shape: the hooks measure it
         self.worst_step: Optional[Tuple[int, Tuple[str, ...]]] = None  # the highest activation peak read, its plan
         self.predictions: Dict[Tuple[str, ...], int] = {}  # each plan run: its peak predicted before it ran
         self.synchronize = synchronize or (lambda: None)
@@ -588,22 +590,30 @@ class BudgetCalibration:
         """After the optimizer step, with the step's measured activation peak (bytes). With ``compiler:<f>`` blocks
         in the plan, the figure of the plan as it runs compiled: an eager figure less :meth:`compiled_savings`.
         A step that ran out of memory and was retried (:meth:`out_of_memory`) is ignored."""
+        mixed, self._mixed, self.measuring = self._mixed, False, True
         if self._failed:  # retried under a stronger plan: its figure is that plan's, no stage's and no verification
             self._failed = False
             return
         if self.calibrating:
             _, modes, kind = self.stages[self.stage]
-            self._note_step(modes, activations)
-            if kind == "bytes":
-                self._learn_unit(modes, activations)
-                self._calibration_peaks.append((modes, activations))
+            peak = self.predicted(modes) if mixed else activations
+            if not mixed:
+                self._note_step(modes, activations)
+            if kind == "bytes" and peak is not None:
+                if not mixed:
+                    self._learn_unit(modes, activations)
+                self._calibration_peaks.append((modes, peak))
             self.stage += 1
             self._snapshot = None  # the stage is counted: a later discarded step takes nothing of it back
             self._skip_unfit_stages()
             if not self.calibrating:
                 self._finish()
             return
-        if not self.done:
+        if not self.done and mixed and activations <= self.target:  # the plan's own peak is at most the step's
+            self.messages.append(f"budget plan {mode_mix(self.chosen.modes)} verified within the budget on a step "
+                                 f"with micro-batches of another shape ({format_bytes(activations)})")
+            self.stage += 1
+        elif not self.done:
             self._verify(activations)
 
     def _verify(self, activations: int) -> None:
@@ -651,6 +661,19 @@ class BudgetCalibration:
             self.begin_step()
             if self.calibrating:  # begin_step may have replaced the last stages by none, and chosen
                 self.end_step(step(self.exact_step))
+
+    @property
+    def failed(self) -> bool:
+        """The step in flight is no stage's (it ran out of memory, or was discarded)."""
+        return self._failed
+
+    def other_shape(self) -> None:
+        """A micro-batch of another shape runs in this step, under a plan of its own: the stage's blocks are measured
+        on the micro-batches of the calibration's shape only, and the step's peak, which may be the other one's, is
+        not the stage's (its prediction stands in for it; a verifying step within the budget verifies the plan)."""
+        self._mixed = True
+        self.measuring = False
+        self._open.clear()
 
     def discard_step(self) -> None:
         """The step in flight is no stage's (a micro-batch of another shape ran in it, under a plan of its own):
@@ -977,7 +1000,7 @@ class BudgetCalibration:
         from lightning_ckpt.decide.block_timing import capture_block_input
 
         def hook(module, args, kwargs):
-            if index not in self._inputs and module.training and torch.is_grad_enabled() and not (
+            if index not in self._inputs and module.training and torch.is_grad_enabled() and self.measuring and not (
                     self._failed or self._paused):
                 self._inputs[index] = capture_block_input(args, kwargs)
 
@@ -1029,7 +1052,7 @@ class BudgetCalibration:
         import torch
 
         def hook(module, args):
-            if not (module.training and torch.is_grad_enabled()) or self._failed or self._paused:
+            if not (module.training and torch.is_grad_enabled() and self.measuring) or self._failed or self._paused:
                 return
             self.boundary[index] = max(self.boundary[index], sum(
                 a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
@@ -1073,7 +1096,8 @@ class BudgetCalibration:
         from lightning_ckpt.measure.tracker import LiveBytes, exit_mode
 
         index, mode = getattr(owner, "index", None), getattr(owner, "mode", None)
-        if index is None or mode not in self.mode_seconds or not self.calibrating or self._failed or self._paused:
+        if (index is None or mode not in self.mode_seconds or not self.calibrating or self._failed or self._paused
+                or not self.measuring):
             return fn(*args, **kwargs)
         if self.stages[self.stage][2] == "bytes":  # what the replay creates, at its peak
             scope = LiveBytes(self.meter.device)

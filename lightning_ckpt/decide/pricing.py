@@ -145,10 +145,14 @@ def fake_steps(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tenso
 
     from lightning_ckpt.measure.meter import StepMeter
 
+    from torch.utils._python_dispatch import _disable_current_modes
+
     saved_policy, saved_notes = plan.policy, plan.notes
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with warnings.catch_warnings(), fake_state(model, mode) as params:
+        # a training step's own meter may be counting (a later micro-batch of an accumulation window prices its
+        # bucket inside the step): it must not see the fake tensors, which take no memory
+        with _disable_current_modes(), warnings.catch_warnings(), fake_state(model, mode) as params:
             warnings.simplefilter("ignore")
             meter = StepMeter(params[0].device if params else "cpu").watch(model)
 

@@ -165,7 +165,8 @@ class ShapeSteps(ShapeReader):
         self.planner = ShapePlanner(budget, self.modes, self._price, self._trace)
         self.bucket: Optional[Shape] = None  # the bucket of the micro-batch in flight
         self.calibration_shape: Optional[Shape] = None  # the exact shape the calibration's stages run at
-        self._discarded = False  # the step in flight is no calibration stage
+        self._discarded = False  # a micro-batch of another shape ran in the step in flight (calibrating)
+        self._stage_begun = False  # the calibration's step began in the step in flight
         self._step_buckets: set = set()
         self._step_shapes: set = set()
         self._checked = False
@@ -238,7 +239,7 @@ class ShapeSteps(ShapeReader):
         _, shape = self.read(trainer, batch)  # the step's shape: the largest over the ranks
         bucket = bucket_of(shape, self._cap(shape))
         if first:
-            self._step_buckets, self._step_shapes, self._discarded = set(), set(), False
+            self._step_buckets, self._step_shapes = set(), set()
         self._step_buckets.add(bucket)
         self._step_shapes.add(shape)
         self.bucket = bucket
@@ -248,19 +249,39 @@ class ShapeSteps(ShapeReader):
         calibration = self.engine.calibration
         if self.calibration_shape is None:
             self.calibration_shape = shape
-        if not calibration.done and shape == self.calibration_shape and not self._discarded:
-            if first:
-                calibration.begin_step()
-                return
-            expected = calibration.stage_modes or (calibration.chosen.modes if calibration.chosen else None)
-            if self.engine.plan.modes == expected:
-                return
-        if not calibration.done and not self._discarded:
-            self._discarded = True
-            calibration.discard_step()  # no stage: it runs again on the next step of its shape
-        if calibration.done and shape == self.calibration_shape and calibration.chosen is not None:
+        if not calibration.done:
+            self._calibration_micro_batch(trainer, shape, bucket, first)
+            return
+        if shape == self.calibration_shape and calibration.chosen is not None:
             self._apply_modes(tuple(calibration.chosen.modes), bucket, "the calibration's own shape")
             return
+        self._apply(self._plan(trainer, bucket))
+
+    def _calibration_micro_batch(self, trainer: "pl.Trainer", shape: Shape, bucket: Shape, first: bool) -> None:
+        """While calibrating: a micro-batch of the calibration's shape runs the stage's plan (the chosen plan on the
+        verifying step) and is measured; one of another shape runs its bucket's plan, unmeasured, and makes the
+        step mixed (the stage's blocks are still measured on its own micro-batches, so accumulation windows of
+        mixed lengths calibrate too). A step with no micro-batch of the calibration's shape is no stage."""
+        calibration = self.engine.calibration
+        if first:
+            self._stage_begun = self._discarded = False
+        if shape == self.calibration_shape:
+            if not self._stage_begun:
+                self._stage_begun = True
+                calibration.begin_step()
+                if self._discarded:  # an earlier micro-batch of this step had another shape
+                    calibration.other_shape()
+            elif not calibration.failed:  # a micro-batch of another shape ran in between: the stage's plan again
+                expected = calibration.stage_modes or (calibration.chosen.modes if calibration.chosen else None)
+                if expected is not None and self.engine.plan.modes != tuple(expected):
+                    self.engine.set_modes(tuple(expected))
+            calibration.measuring = not calibration.failed
+            return
+        if self._stage_begun:
+            calibration.other_shape()
+        elif not self._discarded:
+            calibration.discard_step()  # nothing of the stage ran yet: its step begins with its own shape's batch
+        self._discarded = True
         self._apply(self._plan(trainer, bucket))
 
     def _cap(self, shape: Shape) -> Optional[Shape]:

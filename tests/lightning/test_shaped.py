@@ -321,3 +321,24 @@ def test_tensorboard_gets_each_bucket_plan_as_text_and_the_steps_bucket_as_scala
     lengths = [e.value for e in acc.Scalars("shape/length")]
     assert lengths[-2:] == [256.0, 64.0]
     assert [e.value for e in acc.Scalars("shape/blocks_off")][-1] == 4.0
+
+
+@pytest.mark.parametrize("lengths, accumulate", [
+    ([32] * 6 + [64] + [32] * 23, 1),  # one batch of another length during the calibration
+    ([32, 64] * 15, 1),  # lengths alternating every step
+    ([32, 64] * 20, 2),  # every accumulation window mixes the two lengths
+], ids=["one-other", "alternating", "accumulation-mixed"])
+def test_lengths_that_vary_during_the_calibration_neither_crash_nor_stall_nor_cross_the_budget(tmp_path, lengths,
+                                                                                                accumulate):
+    """The old code restored the previous, counted stage's snapshot when a batch of another length came (then
+    crashed: "mode 'selective' has no measured cost for this block"), and never finished calibrating when every
+    accumulation window held a micro-batch of another length (stage 0 of 9 after 40 steps)."""
+    budget = 3 * MiB
+    cb, rows = _fit(tmp_path, _gpt(), [_batch(n, seed=i) for i, n in enumerate(lengths)], "budget:3MiB",
+                    steps=len(lengths) // accumulate, accumulate_grad_batches=accumulate)
+    calibration = cb.calibration
+    assert calibration.done and calibration.chosen.fits
+    measured = [peak for _, _, peak in rows if peak is not None]
+    assert len(measured) >= len(lengths) // accumulate // 2 and max(measured) <= budget
+    # the plan for the calibration's own length trains on: the steps after it read within the budget too
+    assert cb.shape_plans and all(p.predicted_peak <= budget for p in cb.shape_plans.values())
