@@ -183,7 +183,7 @@ def _keep_unless_random(keep, ctx, op, *args, **kwargs) -> _cp.CheckpointPolicy:
 
 _COMPILER_PREFIX = COMPILER_MODE + ":"
 # calls fn(*args); dynamo, seeing this very function as a subgraph's body, lets that body mutate outer Python state
-# (absent before torch 2.12: a block with a side effect then runs eagerly under compile, as it did)
+# (a private helper, found by feature: where a torch lacks it, a block with a side effect runs eagerly under compile)
 _ALLOW_SIDE_EFFECTS = getattr(torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", None)
 _SAC_RESPECTS_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_cp.checkpoint).parameters
 
