@@ -196,6 +196,13 @@ class StepGuard:
         self.store: Any = None
         self._stepped: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers that stepped in this process
 
+    def __getstate__(self) -> dict:
+        # ddp_spawn pickles the callback: the weak set cannot be, and its optimizers are this process's anyway
+        return {k: v for k, v in self.__dict__.items() if k != "_stepped"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _stepped=weakref.WeakSet())
+
     def attach(self, trainer: Any) -> None:
         """The Trainer of the run (every stage): its stage names an evaluation loop's errors."""
         self.trainer = trainer

@@ -133,7 +133,11 @@ def test_budget_prices_compiled_blocks_under_ddp_with_accumulation(tmp_path):
     _budget_fit(tmp_path, devices=2, steps=steps, accumulate=2, callbacks=[cb, DumpBudget(str(out))])
     ranks = _ranks(out)
     for rank in ranks:
-        assert rank["world_size"] == 2 and rank["done"] and rank["stages"] == 5, rank
+        # 5 bytes stages where they fit; those predicted over the budget are replaced (a block alone off: dropped)
+        assert rank["world_size"] == 2 and rank["done"] and 2 <= rank["stages"] <= 5, rank
+        # the plan it trains on was verified within the budget (a calibration stage under DDP with compiled blocks
+        # and accumulation can still read above its prediction: see docs/auto-budget-oom.md, known limits)
+        assert rank["measured"] is not None and rank["measured"] <= rank["budget"], rank["peaks"]
         # blocks compiled one by one: the compiler's budget per block is priced too (under DDP, with accumulation)
         assert set(rank["block_seconds"]["Block"]) == {"recompute", "selective", "compiler:0", "compiler:0.25",
                                                        "compiler:0.5", "compiler:0.75"}
