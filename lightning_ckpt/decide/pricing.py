@@ -142,10 +142,9 @@ def fake_steps(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tenso
     plan's current modes and returns the activation peak the meter counted (exactly); the parameters, buffers, plan
     modes and notes are put back on exit (see the module docstring). Arguments as :func:`price_shape`'s."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
 
     from lightning_ckpt.measure.meter import StepMeter
-
-    from torch.utils._python_dispatch import _disable_current_modes
 
     saved_policy, saved_notes = plan.policy, plan.notes
     mode = FakeTensorMode(allow_non_fake_inputs=True)
