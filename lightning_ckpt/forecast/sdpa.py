@@ -55,9 +55,10 @@ Evidence. "2.14": PyTorch main @001f694a (the newest source read), whose checks'
 file as it stood between pytorch#171627 (2026-01-02) and pytorch#174245 (2026-02-26), read from a fork that vendors
 it; release/2.11 was cut on 2026-02-18 (pytorch#175093). 2.12 and 2.13 are 2.11 plus the changes merged before
 their branch cuts (:data:`RULES` names them); torch < 2.10 uses the 2.11 checks with its own priority rule, newer
-than 2.14 (2.15.0 is on PyPI) the 2.14 rules: both unverified. Unbatched (3-D) q, k, v: 2.11 hands them to the
-4-D shape checks as given, so math runs; 2.14 gives them a batch of one first (2.12 and 2.13 taken as 2.11). Not
-modelled: nested tensors, FA3/FA4, fp8, ROCm.
+than 2.14 the 2.14 rules: both unverified. For 2.15 the forecast's assumptions say so and name the checks its
+2.15.0 binary adds (:data:`NEWER_THAN_READ`, from the check messages it carries and 2.14.1's does not). Unbatched
+(3-D) q, k, v: 2.11 hands them to the 4-D shape checks as given, so math runs; 2.14 gives them a batch of one first
+(2.12 and 2.13 taken as 2.11). Not modelled: nested tensors, FA3/FA4, fp8, ROCm.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from lightning_ckpt.forecast.gpus import format_sm, parse_sm
 
 __all__ = [
     "BACKENDS",
+    "NEWER_THAN_READ",
     "RULES",
     "Check",
     "GpuTarget",
@@ -304,6 +306,7 @@ def resolve_gpu(sm: Optional[str] = None, cudnn=None, torch_version=None, cuda=N
                  "new enough for PyTorch to prefer cuDNN attention (> 9.15.0)")
         notes.append(f"no --cudnn given: assumed cuDNN {format_cudnn(version)}, {where}; pass --cudnn with "
                      "torch.backends.cudnn.version() of the target")
+    notes += _newer_than_read(tuple(target_torch))
     build = None
     if cuda is not None:
         build = parse_torch_version(cuda)
@@ -826,6 +829,27 @@ RULES: Tuple[RuleSet, ...] = (
     RuleSet("2.14", (2, 14), _PREFER_213, _checks(SIXTEENTHS, POINTER_ALIGNMENT, MQA_GQA, D256, UNBATCHED),
             _REF214),
 )
+
+
+# What a torch newer than the newest source read is known to check beyond these rules: read from the check messages
+# its released binary (libtorch_cuda.so) carries and the newest rules' torch binary does not. Not modelled: the
+# messages give no thresholds.
+NEWER_THAN_READ: Dict[Tuple[int, int], str] = {
+    (2, 15): "its 2.15.0 binary has checks these rules do not model: flash refuses a batch size or heads count "
+             "above a limit, cuDNN before 9.26 refuses non-causal attention on SM 9.0 whose key/value length is 64 "
+             "modulo 128 (non-finite query gradients), the key/value heads check no longer names the batch size, and "
+             "FlashAttention-4 appears",
+}
+
+
+def _newer_than_read(version: Tuple[int, int]) -> List[str]:
+    """The note for a target torch newer than :data:`RULES` covers (empty otherwise)."""
+    newest = RULES[-1]
+    if version <= newest.since:
+        return []
+    known = NEWER_THAN_READ.get(version)
+    return [f"torch {version[0]}.{version[1]} is newer than the {newest.name} source these rules were read from: "
+            f"the {newest.name} rules apply, unverified" + (f"; {known}" if known else "")]
 
 
 def rules_for(torch_version: Tuple[int, int]) -> RuleSet:

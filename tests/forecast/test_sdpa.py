@@ -340,6 +340,18 @@ def test_resolve_gpu_says_what_it_assumed(monkeypatch):
     assert given.describe() == "A100 (SM 8.0), cuDNN 9.19.0, torch 2.11"
 
 
+def test_a_torch_newer_than_the_rules_read_is_named_with_what_is_known_to_differ():
+    newest = RULES[-1].name
+    given = resolve_gpu("H100", "9.19.0", "2.15", "13.0")
+    assert given.describe() == f"H100 (SM 9.0), cuDNN 9.19.0, torch 2.15 (the {newest} rules)"
+    note = " ".join(given.assumptions)
+    assert f"torch 2.15 is newer than the {newest} source these rules were read from" in note, given.assumptions
+    assert "9.26" in note and "batch size or heads" in note  # what the 2.15.0 binary's checks say, not modelled
+    later = " ".join(resolve_gpu("H100", "9.19.0", "2.16", "13.0").assumptions)
+    assert "torch 2.16 is newer" in later and "9.26" not in later
+    assert resolve_gpu("H100", "9.19.0", newest, "13.0").assumptions == ()
+
+
 # --- numbers: the forecast's saved bytes show the backend ---------------------------------------------------------
 
 
