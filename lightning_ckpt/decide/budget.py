@@ -662,6 +662,62 @@ class BudgetCalibration:
             if self.calibrating:  # begin_step may have replaced the last stages by none, and chosen
                 self.end_step(step(self.exact_step))
 
+    # -- resume: everything measured, the stage reached and the chosen plan, as primitives
+    _SAVED = ("stage", "interior", "boundary", "seconds", "kept", "replay_bytes", "forward_seconds", "mode_seconds",
+              "measured", "block_seconds", "compiled_kept", "_unit", "_raised", "_verifications")
+
+    def state_dict(self) -> Dict[str, object]:
+        """What a resumed run needs to go on without calibrating again (lists, dicts, numbers and strings only)."""
+        state: Dict[str, object] = {name: copy.deepcopy(getattr(self, name)) for name in self._SAVED}
+        state.update(
+            stages=[[label, list(modes), kind] for label, modes, kind in self.stages],
+            measured_plans=[[list(m), v] for m, v in self.measured_plans.items()],
+            calibration_peaks=[[list(m), v] for m, v in self._calibration_peaks],
+            unfit=[list(m) for m in self.unfit], measured_off=sorted(self._measured_off), base=list(self._base),
+            worst_step=None if self.worst_step is None else [self.worst_step[0], list(self.worst_step[1])],
+            chosen=None if self.chosen is None else {
+                "modes": list(self.chosen.modes), "predicted_peak": self.chosen.predicted_peak,
+                "fits": self.chosen.fits, "smallest_budget": self.chosen.smallest_budget})
+        return state
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Go on where a saved run stopped: a stage in flight when it was saved runs again; a chosen plan is applied
+        as it was (no stage runs again, none above the budget)."""
+        if len(state["interior"]) != self.plan.num_blocks:
+            raise ValueError(f"the saved budget calibration covers {len(state['interior'])} blocks, this model has "
+                             f"{self.plan.num_blocks}")
+        before = dict(self.__dict__)
+        try:
+            self._load(state)
+        except Exception:  # nothing of an unreadable state stays: the calibration starts from the beginning
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
+
+    def _load(self, state: Dict[str, object]) -> None:
+        for name in self._SAVED:
+            setattr(self, name, copy.deepcopy(state[name]))
+        self.stages = [(label, tuple(modes), kind) for label, modes, kind in state["stages"]]
+        self.measured_plans = {tuple(m): v for m, v in state["measured_plans"]}
+        self._calibration_peaks = [(tuple(m), v) for m, v in state["calibration_peaks"]]
+        self.unfit = [tuple(m) for m in state["unfit"]]
+        self._measured_off, self._base = set(state["measured_off"]), tuple(state["base"])
+        worst = state.get("worst_step")
+        self.worst_step = None if worst is None else (worst[0], tuple(worst[1]))
+        chosen = state.get("chosen")
+        self.chosen = None
+        if chosen is not None:
+            costs = self.costs()
+            modes = tuple(chosen["modes"])
+            self.chosen = BudgetPlan(modes, chosen["predicted_peak"], sum(c.option(m).seconds for c, m in
+                                                                          zip(costs, modes)), chosen["fits"],
+                                     self.budget, chosen["smallest_budget"],
+                                     tuple((c.option(m), c.option("off")) for c, m in zip(costs, modes)))
+            self._reapply = not self.done  # the verifying step applies it again
+            if self.done:
+                self.apply(list(modes))
+                self.plan.annotate(self.chosen.notes())
+
     @property
     def failed(self) -> bool:
         """The step in flight is no stage's (it ran out of memory, or was discarded)."""

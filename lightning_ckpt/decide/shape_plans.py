@@ -372,6 +372,33 @@ class ShapePlanner:
             plan.stale = plan.predicted_peak > self.budget  # chosen again before the bucket's next step
         return error
 
+    # -- resume
+    def state_dict(self) -> Dict[str, object]:
+        """The buckets' plans and what their steps read (primitives); the fake prices are made again on demand."""
+        def shape(b: Shape) -> List[int]:
+            return [b.samples, *b.lengths]
+
+        return {"unit": self._unit,
+                "exact": [[shape(b), [[list(m), v] for m, v in peaks.items()]] for b, peaks in self._exact.items()],
+                "raise": [[shape(b), v] for b, v in self._raise.items()],
+                "plans": [dict(p.as_dict(), bucket=shape(b), stale=p.stale) for b, p in self.plans.items()]}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """After :meth:`set_reference` with the restored calibration: the saved buckets' plans and readings."""
+        def shape(values: Sequence[int]) -> Shape:
+            return Shape(values[0], tuple(values[1:]))
+
+        if self._unit_from is None:  # measured already: no trace needed to know it again
+            self._unit = float(state["unit"])
+        else:
+            self._unit, self._unit_from = float(state["unit"]), None
+        for bucket, peaks in state["exact"]:
+            self._exact.setdefault(shape(bucket), {}).update({tuple(m): v for m, v in peaks})
+        self._raise.update({shape(b): v for b, v in state["raise"]})
+        for saved in state["plans"]:
+            fields = dict(saved, bucket=shape(saved["bucket"]), modes=tuple(saved["modes"]))
+            self.plans[fields["bucket"]] = BucketPlan(**fields)
+
     def table(self) -> str:
         """The buckets as a table for the terminal (the end-of-fit report)."""
         rows = [f"  {'bucket':<14}{'steps':>6}  {'plan':<32}{'predicted':>11}{'measured':>11}{'error':>8}"

@@ -81,7 +81,7 @@ __all__ = ["REPORT_FILE", "STATE_VERSION", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE
 REPORT_FILE = "lightning_ckpt_report.json"
 TIMELINE_FILE = "memory_timeline.png"
 STATE_VERSION = 1
-_STATE_KEYS = frozenset({"version", "policy", "plan_policy", "names", "modes", "controller"})
+_STATE_KEYS = frozenset({"version", "policy", "plan_policy", "names", "modes", "controller", "budget"})
 _INSTRUMENTED = "_instrumented"  # reduced with the figures: whether some rank's step ran the per-op instrumentation
 
 
@@ -129,6 +129,7 @@ class CheckpointingEngine:
         self._last_step: Optional[tuple] = None  # (Lightning's step, logged) of last_result
         self._owed: list = []  # logged reference steps whose time and throughput wait for an ordinary step's
         self._pending: Optional[Dict[str, Any]] = None  # restored state waiting for the plan to exist
+        self._budget_state: Optional[Dict[str, Any]] = None  # a budget's saved calibration, for fit start
         self._applied_in_run = False
         self._verified = False
         self._warned_no_logger = False
@@ -246,6 +247,8 @@ class CheckpointingEngine:
                 self.shapes = ShapeSteps(self, budget, (*modes, *[COMPILER_MODE] * bool(fractions)))
                 self.shapes.setup(trainer)
                 self.calibration.predict = self.shapes.traced_at_calibration  # no stage predicted over the budget
+            if self._budget_state is not None:
+                self._resume_budget(self._budget_state)
                 raised = room_for_plans(len(modes) + 1 + len(fractions)) if caller is not None else None
                 if raised:
                     self._restore_dynamo = raised[1]
@@ -517,6 +520,24 @@ class CheckpointingEngine:
         self.last_metrics.update(figures)
         self._owed, self.monitor.owed = [], False
 
+    def _resume_budget(self, state: Dict[str, Any]) -> None:
+        """A checkpoint's budget calibration and per-shape plans: the run goes on where it stopped."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        self._budget_state = None
+        try:
+            self.calibration.load_state_dict(state["calibration"])
+            if self.shapes is not None and state.get("shapes"):
+                self.shapes.load_state_dict(state["shapes"])
+        except (KeyError, ValueError, TypeError, IndexError) as err:
+            rank_zero_warn(f"lightning_ckpt: the budget measures its plans again: the checkpoint's budget state does "
+                           f"not fit this run ({type(err).__name__}: {err}).")
+            return
+        calibration = self.calibration
+        where = ("its plan " + mode_mix(calibration.chosen.modes) if calibration.done and calibration.chosen
+                 else f"calibration step {calibration.stage + 1} of {len(calibration.stages)}")
+        self.info(f"budget resumed from the checkpoint at {where}")
+
     def _warn_if_infeasible(self) -> None:
         """A budget no plan meets is a warning (rank zero, once) naming the smallest feasible budget."""
         chosen = self.calibration.chosen
@@ -715,12 +736,17 @@ class CheckpointingEngine:
         if self.plan is None:
             if self._pending is not None:  # restored but not applied yet: keep what the user had
                 return dict(self._pending)
-            return {"version": STATE_VERSION, "policy": self.policy.spec}
+            return {"version": STATE_VERSION, "policy": self._configured_spec()}
         plan = self.plan.state_dict()
-        state = {"version": STATE_VERSION, "policy": self.policy.spec, "plan_policy": plan["policy"],
+        state = {"version": STATE_VERSION, "policy": self._configured_spec(), "plan_policy": plan["policy"],
                  "names": list(plan["names"]), "modes": list(plan["modes"])}
         if self.controller is not None:
             state["controller"] = self.controller.state_dict()
+        if self.calibration is not None:  # a resumed run goes on without calibrating again
+            state["budget"] = {"calibration": self.calibration.state_dict(),
+                               "shapes": self.shapes.state_dict() if self.shapes is not None else None}
+        elif self._budget_state is not None:
+            state["budget"] = self._budget_state
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -734,12 +760,16 @@ class CheckpointingEngine:
         else:
             self._pending = state
 
+    def _configured_spec(self) -> str:
+        """The policy as the user configured it: a budget's own string, not the plan it starts from."""
+        return self.settings.budget.spec if self.settings.budget is not None else self.policy.spec
+
     def _restore(self, state: Dict[str, Any]) -> None:
         saved = state.get("policy")
-        if saved != self.policy.spec:
+        if saved not in (self._configured_spec(), self.policy.spec):  # older checkpoints of a budget: its start
             warnings.warn(
                 f"lightning_ckpt: the checkpoint was trained with policy {saved!r} but {self.describe()} is "
-                f"configured with {self.policy.spec!r}; the configured policy wins. To resume with the saved "
+                f"configured with {self._configured_spec()!r}; the configured policy wins. To resume with the saved "
                 f"plan, pass policy={saved!r}.", UserWarning, stacklevel=3)
             self.change_plan(self.policy)
             return
@@ -761,6 +791,7 @@ class CheckpointingEngine:
         self.plan.load_state_dict({"version": 1, "policy": state["plan_policy"], "names": state.get("names", []),
                                    "modes": state.get("modes", [])})
         self._check_replay_safety()
+        self._budget_state = state.get("budget")  # restored at fit start, once the calibration exists
 
 
 def _check_state(state: Any) -> Optional[Dict[str, Any]]:

@@ -433,6 +433,26 @@ class ShapeSteps(ShapeReader):
         if cache is not None:  # CUDA: the allocator's cache at the step's peak, step after step
             self.cache.append(cache * GiB)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The calibration's shape, the longest shape found, and the buckets' plans (primitives)."""
+        def shape(value: Optional[Shape]) -> Optional[List[int]]:
+            return None if value is None else [value.samples, *value.lengths]
+
+        return {"calibration_shape": shape(self.calibration_shape), "longest": shape(self.longest),
+                "pricing_s": self.pricing_s, "planner": self.planner.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """After the calibration's own state: its reference again, then the saved buckets' plans."""
+        def shape(values: Optional[Sequence[int]]) -> Optional[Shape]:
+            return None if values is None else Shape(values[0], tuple(values[1:]))
+
+        self.calibration_shape, self.longest = shape(state["calibration_shape"]), shape(state["longest"])
+        self.pricing_s = float(state.get("pricing_s", 0.0))
+        self._checked = self.calibration_shape is not None  # the longest length was found (and said) already
+        if self.engine.calibration.done and self.calibration_shape is not None:
+            self.calibration_done()
+            self.planner.load_state_dict(state["planner"])
+
     def cache_report(self) -> Optional[Dict[str, Any]]:
         """How the allocator's cache (reserved − allocated at a step's peak, CUDA) went over the run's varying
         shapes, with advice when it grew (fragmentation): ``None`` without readings."""
