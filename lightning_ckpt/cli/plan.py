@@ -22,6 +22,7 @@ from lightning_ckpt.forecast.numbers import (
     forecast_from_numbers,
 )
 from lightning_ckpt.forecast.precision import PRECISIONS
+from lightning_ckpt.forecast.remedies import STRATEGIES, Layout, price, recommend, remedies
 from lightning_ckpt.forecast.sdpa import describe_choices, resolve_gpu, saved_bytes, select_for_call
 from lightning_ckpt.forecast.trace import DEVICES, forecast_model
 
@@ -96,6 +97,20 @@ def add_parser(sub) -> None:
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="numbers: none, all, every:N, group:K; --model: any policy (selective too)")
     p.add_argument("--json", action="store_true", help="print one JSON object (bytes) instead of a table")
+    ranks = p.add_argument_group("per GPU and remedies (numbers)")
+    ranks.add_argument("--strategy", default=None, choices=[s for s in STRATEGIES if s != "single"],
+                       help="how the job is laid out over --world-size GPUs: each GPU's parameters, gradients, "
+                            "optimizer state, master copy, buffers in flight and what moves to the host")
+    ranks.add_argument("--world-size", type=int, default=None,
+                       help="GPUs the strategy spans (default 1 with --strategy); with --remedies, the GPUs the "
+                            "sharding rows use (default: the fewest of 2, 4, 8 that fits)")
+    ranks.add_argument("--remedies", action="store_true",
+                       help="price every remedy side by side (checkpointing, accumulation, smaller optimizer states, "
+                            "LoRA/QLoRA, sharding, offload, zeroing gradients before the forward) and recommend two")
+    ranks.add_argument("--lora-rank", type=int, default=16, help="--remedies: the LoRA/QLoRA rows' rank (default 16)")
+    ranks.add_argument("--trainable", type=float, default=None,
+                       help="--remedies: the LoRA/QLoRA rows' trainable share, e.g. 0.01 (default: adapters of "
+                            "--lora-rank on every block's four matrices)")
 
 
 _NUMBERS_ONLY = ("grad_dtype", "moment_dtype", "layers", "hidden", "heads", "act_dtype", "tensors_per_block",
@@ -123,7 +138,15 @@ def run(args) -> int:
                          "the model, or a --config whose model has a class_path); got "
                          f"--params={args.params!r} and --model={args.model!r}.")
     if args.model is not None:
+        for name in ("strategy", "world_size"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} is priced from numbers for now; plan with --params "
+                                 "(and --layers, --hidden) instead of --model.")
+        if args.remedies:
+            raise ValueError("--remedies is priced from numbers for now; plan with --params (and --layers, "
+                             "--hidden) instead of --model.")
         return _run_plan_model(args)
+    _check_ranks(args)
     for name in ("init_args", "config", "vocab_size", "precision", "device", "sdpa_backend"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} only applies with --model; drop it or pass --model.")
@@ -157,13 +180,25 @@ def run(args) -> int:
                          saved_bytes_per_block=saved_bytes(choice.backend, call), assumptions=list(gpu.assumptions),
                          explanation=choice.explain())
     forecast = forecast_from_numbers(inputs)
+    per_rank = _per_rank(inputs, args)
+    rows = remedies(inputs, args.lora_rank, args.trainable, args.world_size) if args.remedies else None
     if args.json:
         data = forecast.as_json()
         if attention is not None:
             data["attention"] = attention
+        if per_rank is not None:
+            data["per_rank"] = {p: row.as_json() for p, row in per_rank.items()}
+        if rows is not None:
+            keep, any_ = recommend(rows)
+            data.update(remedies=[r.as_json() for r in rows], recommended=keep and keep.name,
+                        recommended_any=any_ and any_.name)
         print(json.dumps(data, indent=2))
     else:
         print(_table(forecast))
+        if per_rank is not None:
+            print(_rank_table(per_rank, args, capacity))
+        if rows is not None:
+            print(_remedies_table(rows, capacity))
         if attention is not None:
             print(f"attention on {attention['gpu']}: {attention['backend']} [{attention['source']}], saves "
                   f"{format_bytes(attention['saved_bytes_per_block'])} per block "
@@ -172,6 +207,79 @@ def run(args) -> int:
             for note in attention["assumptions"]:
                 print(f"  assumption: {note}")
     return 0
+
+
+def _check_ranks(args) -> None:
+    """--world-size/--strategy/--lora-rank/--trainable named and bounded before anything is computed."""
+    if args.world_size is not None and (args.world_size < 1 or args.world_size > 65536):
+        raise ValueError(f"--world-size={args.world_size!r} must be a number of GPUs from 1 to 65536.")
+    if args.world_size is not None and args.strategy is None and not args.remedies:
+        raise ValueError(f"--world-size={args.world_size!r} needs a layout: pass --strategy (e.g. fsdp, ddp) or "
+                         "--remedies.")
+    if args.lora_rank < 1:
+        raise ValueError(f"--lora-rank={args.lora_rank!r} must be a positive integer, e.g. 16.")
+    if args.trainable is not None and not 0 < args.trainable < 1:
+        raise ValueError(f"--trainable={args.trainable!r} must be a share between 0 and 1, e.g. 0.01.")
+
+
+def _per_rank(inputs: ForecastInputs, args) -> Optional[dict]:
+    """Each policy's row on one GPU under --strategy over --world-size GPUs (``None`` without --strategy)."""
+    if args.strategy is None:
+        return None
+    n = args.world_size or 1
+    return {p: price(inputs, Layout(p, policy=p, strategy=args.strategy, world_size=n)) for p in inputs.policies}
+
+
+_LINES = ("parameters", "gradients", "optimizer state", "master copy", "in flight", "activations")
+
+
+def _rank_table(rows: dict, args, capacity: Optional[int]) -> str:
+    """Per GPU under the strategy: the state lines, then each policy's phases and verdict."""
+    first = next(iter(rows.values()))
+    unit, scale = unit_for(max([*first.lines.values(), *(r.peak for r in rows.values())]))
+    out = [f"per GPU, {args.strategy} over {args.world_size or 1} GPU(s) ({unit}):"]
+    out.append("  " + ", ".join(f"{name} {first.lines[name] / scale:.2f}" for name in _LINES[:5])
+               + f"; on the host {first.lines['host'] / scale:.2f}; communicated per step "
+               f"{format_bytes(first.cost['communicated_bytes'])}; host↔GPU per step "
+               f"{format_bytes(first.cost['host_device_bytes'])}")
+    for policy, row in rows.items():
+        phases = "  ".join(f"{k} {v / scale:.2f}" for k, v in row.phases.items())
+        verdict = "" if capacity is None else ("  fits" if row.fits else "  does not fit")
+        out.append(f"  {policy:<12} activations {row.lines['activations'] / scale:.2f}  {phases}{verdict}")
+    return "\n".join(out)
+
+
+def _cost_text(row) -> str:
+    c = row.cost
+    parts = []
+    if c["recompute"]:
+        parts.append(f"recomputes {c['recompute']:.0%} of the blocks' forward")
+    if c["micro_batches"] > 1:
+        parts.append(f"{c['micro_batches']} micro-batches per step")
+    if c["host_device_bytes"]:
+        parts.append(f"{format_bytes(c['host_device_bytes'])} host↔GPU per step")
+    if c["gpus_added"]:
+        parts.append(f"{c['gpus_added']} more GPU(s), {format_bytes(c['communicated_bytes'])} communicated per step")
+    return "; ".join(parts) or "nothing"
+
+
+def _remedies_table(rows, capacity: Optional[int]) -> str:
+    """Every remedy: its GPU's model state and activations, phase peaks, verdict, cost and what it changes."""
+    unit, scale = unit_for(max(r.peak for r in rows))
+    out = [f"remedies ({unit} on one GPU; cheapest first: more GPUs, host traffic, recompute, micro-batches):",
+           f"{'remedy':<48}{'state':>7}{'acts':>7}{'fwd':>7}{'bwd':>7}{'opt':>7}  verdict"]
+    for row in rows:
+        state = sum(row.lines[k] for k in _LINES[:5])
+        verdict = "?" if row.fits is None else ("fits" if row.fits else "does not fit")
+        cells = "".join(f"{row.phases[k] / scale:>7.2f}" for k in ("forward", "backward", "optimizer"))
+        out.append(f"{row.name:<48}{state / scale:>7.2f}{row.lines['activations'] / scale:>7.2f}{cells}  {verdict}")
+        changes = "; ".join(row.changes) or "nothing in the training"
+        out.append(f"{'':<4}cost: {_cost_text(row)}; changes: {changes}")
+    keep, any_ = recommend(rows)
+    if capacity is not None:
+        out.append(f"try first (fits, training unchanged): {keep.name if keep else 'none of these rows'}")
+        out.append(f"cheapest that fits at all: {any_.name if any_ else 'none of these rows'}")
+    return "\n".join(out)
 
 
 def _run_plan_model(args) -> int:

@@ -47,12 +47,15 @@ __all__ = [
     "LedgerForecast",
     "adafactor_values",
     "attention_call",
+    "backward_first_fraction",
     "check_positions",
     "crossing_line",
     "forecast_from_numbers",
     "math_attention_extra",
     "optimizer_temporaries",
     "phase_crossing",
+    "policy_activations",
+    "recomputed_fraction",
 ]
 
 DTYPE_BYTES: Dict[str, int] = {
@@ -176,10 +179,14 @@ def forecast_from_numbers(inputs: ForecastInputs) -> LedgerForecast:
         interior += 5 * inputs.heads * inputs.seq_len**2 * inputs.micro_batch
     elif inputs.attention_backend == "math":
         interior += math_attention_extra(inputs)
-    activations = {p: _policy_activations(p, inputs.layers, hidden_tensor, interior) for p in inputs.policies}
+    activations = {p: policy_activations(p, inputs.layers, hidden_tensor, interior) for p in inputs.policies}
     temporaries = optimizer_temporaries(n, inputs.optimizer, inputs.moment_dtype, inputs.foreach)
-    phases = {p: {"forward": model_state + a, "backward": model_state + a, "optimizer": model_state + temporaries}
-              for p, a in activations.items()}
+    # Lightning's order: the previous step's gradients live through the forward; zero_grad frees them before
+    # backward, which then builds them while it frees activations (peak at its start or its end)
+    first = round(grads * backward_first_fraction(n, inputs.layers, inputs.hidden))
+    static = model_state - grads
+    phases = {p: {"forward": model_state + a, "backward": static + max(a + first, grads),
+                  "optimizer": model_state + temporaries} for p, a in activations.items()}
     peak = {p: max(by_phase.values()) for p, by_phase in phases.items()}
     fits = {p: None if inputs.capacity is None else v <= inputs.capacity for p, v in peak.items()}
     crosses = {p: phase_crossing(crossing_line(params, grads, optimizer, master, activations[p], inputs.capacity),
@@ -276,7 +283,28 @@ def phase_crossing(line: Optional[str], phase_peaks: Dict[str, int], capacity: O
     return PHASE_LINES[phase] if phase_peaks[phase] > capacity else None
 
 
-def _policy_activations(policy: str, layers: int, boundary: int, interior: int) -> int:
+def backward_first_fraction(params: float, layers: int, hidden: int) -> float:
+    """The share of the gradients backward has built while every activation is still alive: the parameters outside
+    the blocks (the head and embeddings, GPT-2 layout: :func:`adafactor_values`) and the last block's."""
+    block = 12 * hidden * hidden + 13 * hidden
+    outside = max(params - layers * block, 0)
+    return min(1.0, (outside + min(block, params / layers)) / params)
+
+
+def recomputed_fraction(policy: str, layers: int) -> float:
+    """The share of the blocks' forward that ``policy`` runs again in backward (0 for ``none``, 1 for ``all`` and
+    ``group:K``, whose every region replays; ``every:N`` replays its ⌈L/N⌉ checkpointed blocks)."""
+    parsed = parse_policy(policy)
+    if parsed.name == "none":
+        return 0.0
+    if isinstance(parsed, EveryPolicy):
+        return math.ceil(layers / parsed.n) / layers
+    return 1.0
+
+
+def policy_activations(policy: str, layers: int, boundary: int, interior: int) -> int:
+    """Activation bytes at the step's peak under ``policy`` for ``layers`` blocks, each keeping ``boundary`` bytes
+    when checkpointed and ``interior`` bytes when not (the table in the module docstring)."""
     parsed = parse_policy(policy)
     if parsed.name == "none":
         return layers * interior

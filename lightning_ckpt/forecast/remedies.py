@@ -1,0 +1,390 @@
+"""Every remedy for a job that does not fit, priced side by side, and how each strategy lays a job out per rank.
+
+Pure arithmetic on a numbers forecast (:mod:`lightning_ckpt.forecast.numbers`): no torch, no Lightning. A remedy
+is a :class:`Layout` (what it changes in the job) priced by :func:`price` into a :class:`Remedy` row: the ledger
+one GPU holds after it (``lines``), the step's peak by phase, whether it fits, what it costs and what it changes
+in the training. :func:`remedies` builds the rows for one job and :func:`recommend` picks two of them.
+
+Per rank (:data:`STRATEGIES`; N ranks, T trainable parameters, ring collectives moving (N−1)/N of a tensor):
+
+=========================  ================================================================================
+``single``, ``ddp``        everything whole; DDP adds its gradient buckets (one more gradient-sized buffer:
+                           ``gradient_as_bucket_view=False``, Lightning's default) and all-reduces 2·G
+``deepspeed_stage_1``      optimizer state and master copy /N, plus an fp32 gradient partition (T·4/N) when
+                           there is an fp32 master copy; gradients whole
+``deepspeed_stage_2``      as stage 1 with the gradients /N, plus one reduce bucket (5e8 elements) in backward
+``deepspeed_stage_3``      as stage 2 with the parameters /N, plus two blocks' parameters gathered in flight
+                           (the one running and the one prefetched) and, in backward, one block's gradients
+``fsdp`` (FSDP2)           parameters, gradients, optimizer state, master copy /N, plus two blocks'
+                           unsharded parameters in flight and one block's unsharded gradients in backward
+``…_offload``              the optimizer state, master copy and fp32 gradient partition on the host (stage 3
+                           and ``fsdp_offload`` also the sharded parameters and gradients)
+=========================  ================================================================================
+
+DeepSpeed's ``estimate_zero2_model_states_mem_needs`` (``4·P + 16·P/N``) and
+``estimate_zero3_model_states_mem_needs`` (``4·largest_layer + 18·P/N``) are the reference (tests/forecast/
+test_remedies.py), for bf16 weights and gradients, fp32 moments and an fp32 master copy. Stage 3 here is the
+latter with one block as the largest layer, plus the bf16 gradient partition (2·P/N, the flat buffer the
+gradients are reduced into before the fp32 copy, which the estimator leaves out) and, in backward, one reduce
+bucket. Stage 2 here is the former less 2·P − 2·P/N: it holds the bf16 gradient partition and one reduce bucket
+where the estimator counts every bf16 gradient (``2·P``); the bucketed reduction (``contiguous_gradients``,
+DeepSpeed's default) never keeps them all. Neither estimator counts activations; these rows do.
+
+Costs are per optimizer step: ``recompute`` (the share of the blocks' forward run again), ``host_device_bytes``
+(PCIe traffic), ``communicated_bytes`` (per rank), ``gpus_added`` and ``micro_batches``. The cheapest row orders
+them in that order of price: more GPUs first, then host traffic (PCIe is ~20x slower than the GPU's memory), then
+recomputed forward, then extra micro-batches, then bytes communicated; a tie goes to the lower peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from lightning_ckpt.forecast.numbers import (
+    DTYPE_BYTES,
+    ForecastInputs,
+    backward_first_fraction,
+    forecast_from_numbers,
+    recomputed_fraction,
+)
+
+__all__ = [
+    "BLOCKWISE_4BIT",
+    "BLOCKWISE_8BIT",
+    "NF4_BYTES",
+    "STRATEGIES",
+    "Layout",
+    "Remedy",
+    "deepspeed_zero2_reference",
+    "deepspeed_zero3_reference",
+    "lora_fraction",
+    "price",
+    "recommend",
+    "remedies",
+]
+
+# bytes per value of a blockwise-quantised Adam moment: the codes plus one fp32 scale per block (bitsandbytes and
+# torchao 8-bit: blocks of 256; torchao 4-bit: blocks of 128)
+BLOCKWISE_8BIT = 1 + 4 / 256
+BLOCKWISE_4BIT = 0.5 + 4 / 128
+# NF4 base weights (QLoRA; bitsandbytes and torchao): 4-bit codes, an 8-bit scale per 64 values, and an fp32
+# scale per 256 of those (double quantisation)
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+DDP_BUCKET = 25 * 2**20
+DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements (reduce_bucket_size)
+STRATEGIES = ("single", "ddp", "fsdp", "fsdp_offload", "deepspeed_stage_1", "deepspeed_stage_1_offload",
+              "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload")
+_SHARDED = {  # which lines a strategy divides by N: parameters, gradients, optimizer state and master copy
+    "single": "", "ddp": "", "fsdp": "pgom", "deepspeed_stage_1": "om", "deepspeed_stage_2": "gom",
+    "deepspeed_stage_3": "pgom"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a remedy changes in the job (every field's default keeps the job as it is).
+
+    Attributes:
+        name: the row's name.
+        policy: the activation-checkpointing policy.
+        accumulation: micro-batches per optimizer step (the micro-batch divided by it, the effective batch kept).
+        moment_bytes: optimizer-state bytes per trainable parameter (``None``: the job's optimizer).
+        master: keep the job's master copy.
+        trainable: trainable parameters as a share of the model's (LoRA: the adapters, added to the model).
+        base_bytes: bytes per frozen base parameter (QLoRA's NF4); ``None`` keeps the parameter dtype.
+        strategy: one of :data:`STRATEGIES`; ``world_size`` its ranks.
+        activation_offload: saved activations go to the host (one block's interior stays on the GPU).
+        zero_grad_before_forward: the previous step's gradients are freed before the first micro-batch's forward.
+        split_batch: the micro-batch is divided among the ``world_size`` ranks (the global batch kept).
+        changes: what the remedy changes in the training ((): nothing).
+    """
+
+    name: str
+    policy: str = "none"
+    accumulation: int = 1
+    moment_bytes: Optional[float] = None
+    master: bool = True
+    trainable: float = 1.0
+    base_bytes: Optional[float] = None
+    strategy: str = "single"
+    world_size: int = 1
+    activation_offload: bool = False
+    zero_grad_before_forward: bool = False
+    split_batch: bool = False
+    changes: Tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy={self.strategy!r} is not known; choose one of {list(STRATEGIES)}.")
+        if not (isinstance(self.world_size, int) and self.world_size >= 1):
+            raise ValueError(f"--world-size={self.world_size!r} must be a whole number of GPUs, 1 or more.")
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One priced row; every size in bytes, on one GPU (rank 0).
+
+    Attributes:
+        name: what the row does.
+        lines: the ledger after it (``parameters``, ``gradients``, ``optimizer state``, ``master copy``,
+            ``activations``, ``in flight`` for buffers a strategy adds, ``host`` for what lives off the GPU).
+        peak: the step's peak on the GPU; ``phases`` the peak of ``forward``, ``backward`` and ``optimizer``.
+        fits: ``peak <= capacity`` (``None`` without a capacity).
+        cost: ``recompute``, ``host_device_bytes``, ``communicated_bytes``, ``gpus_added``, ``micro_batches``.
+        changes_training: whether the training itself changes; ``changes`` says how.
+    """
+
+    name: str
+    lines: Dict[str, int]
+    phases: Dict[str, int]
+    peak: int
+    fits: Optional[bool]
+    cost: Dict[str, float]
+    changes_training: bool
+    changes: List[str] = field(default_factory=list)
+    layout: Dict[str, object] = field(default_factory=dict)
+
+    def as_json(self) -> Dict[str, object]:
+        return asdict(self)
+
+    def price_key(self) -> Tuple[float, ...]:
+        """Cheapest first (module docstring): GPUs, host traffic, recompute, micro-batches, communication, peak."""
+        c = self.cost
+        return (c["gpus_added"], c["host_device_bytes"], c["recompute"], c["micro_batches"], c["communicated_bytes"],
+                self.peak)
+
+
+def lora_fraction(rank: int, layers: int, hidden: int, params: float) -> float:
+    """LoRA adapters at ``rank`` on the four matrices of every GPT-2-layout block (h×3h, h×h, h×4h, 4h×h: an r×(in +
+    out) pair each, 16·r·h per block), as a share of ``params``."""
+    return layers * 16 * rank * hidden / params
+
+
+def price(inputs: ForecastInputs, layout: Layout) -> Remedy:
+    """The row for ``layout`` applied to the job ``inputs`` (numbers; see the module docstring)."""
+    n, N = inputs.params, layout.world_size
+    pb = DTYPE_BYTES[inputs.param_dtype.lower()]
+    gb = DTYPE_BYTES[inputs.grad_dtype.lower()]
+    mb = DTYPE_BYTES[inputs.master_dtype.lower()] if layout.master else 0
+    base = forecast_from_numbers(replace(inputs, policies=(layout.policy,), capacity=None))
+    adapters = layout.trainable < 1.0  # LoRA's adapters are parameters added to the frozen model
+    t = layout.trainable * n
+    params = (n * (layout.base_bytes if layout.base_bytes is not None else pb)) + (t * pb if adapters else 0)
+    grads, master = t * gb, t * mb
+    optimizer = base.optimizer * layout.trainable if layout.moment_bytes is None else t * layout.moment_bytes
+    sharded = _SHARDED[layout.strategy.replace("_offload", "")]
+    deepspeed = layout.strategy.startswith("deepspeed")
+    partition = t * mb if deepspeed and mb >= 4 else 0  # DeepSpeed's fp32 gradients for an fp32 master copy
+    lines = {"parameters": params / N if "p" in sharded else params,
+             "gradients": grads / N if "g" in sharded else grads,
+             "optimizer state": optimizer / N if "o" in sharded else optimizer,
+             "master copy": master / N if "m" in sharded else master}
+    in_flight = _in_flight(layout, t, gb, lines, n, pb, inputs)
+    lines["gradients"] += partition / N
+    host = _offloaded(layout, lines)
+    micro = inputs.micro_batch // layout.accumulation // (N if layout.split_batch else 1)
+    act_full = base.activations[layout.policy] * micro // inputs.micro_batch
+    act = min(act_full, base.block_interior * micro // inputs.micro_batch) if layout.activation_offload else act_full
+    host += act_full - act
+    lines["activations"] = act
+    lines["in flight"] = in_flight["persistent"]
+    lines = {k: round(v) for k, v in lines.items()}
+    lines["host"] = round(host)
+    phases = _phases(inputs, layout, lines, in_flight, base)
+    peak = max(phases.values())
+    fits = None if inputs.capacity is None else peak <= inputs.capacity
+    cost = _cost(inputs, layout, lines, grads, params, act_full)
+    return Remedy(layout.name, lines, phases, peak, fits, cost, bool(layout.changes), list(layout.changes),
+                  asdict(layout))
+
+
+def _in_flight(layout: Layout, t: float, gb: int, lines: Dict[str, float], n: float, pb: int,
+               inputs: ForecastInputs) -> Dict[str, float]:
+    """Buffers a strategy adds: DDP's buckets (persistent), DeepSpeed's reduce bucket, the gathered blocks."""
+    s = layout.strategy.replace("_offload", "")
+    block = min(n / inputs.layers, 12 * inputs.hidden**2 + 13 * inputs.hidden) * layout.trainable
+    gathered = min(n / inputs.layers, 12 * inputs.hidden**2 + 13 * inputs.hidden) * pb
+    if s == "ddp" and layout.world_size > 1:
+        return {"persistent": t * gb, "forward": 0, "backward": 0}
+    if s in ("deepspeed_stage_2", "deepspeed_stage_3"):
+        bucket = min(DEEPSPEED_REDUCE_BUCKET, t) * gb
+        extra = 2 * gathered if s == "deepspeed_stage_3" else 0
+        return {"persistent": 0, "forward": extra, "backward": extra + bucket}
+    if s == "fsdp" and layout.world_size > 1:
+        return {"persistent": 0, "forward": 2 * gathered, "backward": 2 * gathered + block * gb}
+    return {"persistent": 0, "forward": 0, "backward": 0}
+
+
+def _offloaded(layout: Layout, lines: Dict[str, float]) -> float:
+    """Moves what offload keeps on the host out of ``lines``; returns its bytes."""
+    if not layout.strategy.endswith("_offload"):
+        return 0.0
+    names = ["optimizer state", "master copy"]
+    if layout.strategy in ("deepspeed_stage_3_offload", "fsdp_offload"):
+        names += ["parameters"]
+    if layout.strategy.startswith("deepspeed") or layout.strategy == "fsdp_offload":
+        names += ["gradients"]  # the fp32 partition the host optimizer steps (FSDP2: the sharded gradients)
+    host = 0.0
+    for name in names:
+        host, lines[name] = host + lines[name], 0
+    return host
+
+
+def _phases(inputs: ForecastInputs, layout: Layout, lines: Dict[str, int], in_flight: Dict[str, float],
+            base) -> Dict[str, int]:
+    """Forward, backward and optimizer peaks on the GPU, in Lightning's order (numbers.forecast_from_numbers)."""
+    grads, act = lines["gradients"], lines["activations"]
+    static = lines["parameters"] + lines["optimizer state"] + lines["master copy"] + lines["in flight"]
+    held = layout.accumulation > 1 or not layout.zero_grad_before_forward  # gradients alive through the forward
+    first = round(grads * (1 / inputs.layers if layout.trainable < 1 else
+                           backward_first_fraction(inputs.params, inputs.layers, inputs.hidden)))
+    backward = static + (grads + act if layout.accumulation > 1 else max(act + first, grads))
+    temporaries = base.phase_peaks[layout.policy]["optimizer"] - base.model_state
+    if layout.moment_bytes is not None or layout.strategy.endswith("_offload"):
+        temporaries = 0  # a quantised or host optimizer steps without torch's multi-tensor temporaries
+    return {"forward": round(static + (grads if held else 0) + act + in_flight["forward"]),
+            "backward": round(backward + in_flight["backward"]),
+            "optimizer": round(static + grads + temporaries * layout.trainable / max(layout.world_size, 1))}
+
+
+def _cost(inputs: ForecastInputs, layout: Layout, lines: Dict[str, int], grads: float, params: float,
+          act_full: int) -> Dict[str, float]:
+    N, s = layout.world_size, layout.strategy
+    ring = (N - 1) / N
+    core = s.replace("_offload", "")
+    if core in ("single",) or N == 1:
+        communicated = 0.0
+    elif core == "ddp":
+        communicated = 2 * ring * grads
+    elif core in ("deepspeed_stage_1", "deepspeed_stage_2"):
+        communicated = ring * (grads + params)
+    else:  # parameters gathered in forward and again in backward, every micro-batch; gradients reduce-scattered
+        communicated = layout.accumulation * ring * (2 * params + grads)
+    host = 0.0
+    if s.endswith("_offload"):  # gradients down, updated parameters up (stage 3: parameters up for every gather)
+        host = (grads + params) / N
+        if s in ("deepspeed_stage_3_offload", "fsdp_offload"):
+            host += 2 * layout.accumulation * params / N
+    if layout.activation_offload:
+        host += 2 * (act_full - lines["activations"]) * layout.accumulation
+    recompute = 0.0 if layout.activation_offload else recomputed_fraction(layout.policy, inputs.layers)
+    return {"recompute": round(recompute, 4), "host_device_bytes": round(host),
+            "communicated_bytes": round(communicated), "gpus_added": N - 1, "micro_batches": layout.accumulation}
+
+
+def _single_remedies(inputs: ForecastInputs, lora_rank: int, trainable: Optional[float],
+                     world_sizes: Sequence[int]) -> List[Layout]:
+    moments = 0 if inputs.optimizer.lower() in ("sgd",) else (1 if inputs.optimizer.lower() != "adam" and
+                                                              inputs.optimizer.lower() != "adamw" else 2)
+    rows: List[Layout] = []
+    mb = inputs.micro_batch
+    ks = [k for k in range(2, mb + 1) if mb % k == 0]
+    if ks:
+        rows += [Layout(f"micro-batch {mb // k} × {k} accumulated", accumulation=k) for k in ks]
+    if inputs.moment_dtype.lower() not in ("bf16", "bfloat16", "fp16", "float16") and moments:
+        rows.append(Layout("bf16 moments", moment_bytes=2 * moments, changes=("numerics: moments in bf16",)))
+    if DTYPE_BYTES[inputs.master_dtype.lower()]:
+        rows.append(Layout("no master copy", master=False,
+                           changes=(f"numerics: updates applied to the {inputs.param_dtype} weights",)))
+    if inputs.optimizer.lower() in ("adam", "adamw"):
+        rows.append(Layout("8-bit optimizer state", moment_bytes=2 * BLOCKWISE_8BIT,
+                           changes=("numerics: blockwise 8-bit moments",)))
+        rows.append(Layout("4-bit optimizer state", moment_bytes=2 * BLOCKWISE_4BIT,
+                           changes=("numerics: blockwise 4-bit moments",)))
+    if inputs.optimizer.lower() != "adafactor":
+        from lightning_ckpt.forecast.numbers import adafactor_values
+
+        per_param = adafactor_values(inputs.params, inputs.layers, inputs.hidden) * 4 / inputs.params
+        rows.append(Layout("Adafactor (factored)", moment_bytes=per_param,
+                           changes=("numerics: another optimizer (factored second moment, no first moment)",)))
+    share = trainable if trainable is not None else lora_fraction(lora_rank, inputs.layers, inputs.hidden,
+                                                                  inputs.params)
+    what = f"trainable parameters: {share:.2%} (adapters only)"
+    label = f"rank {lora_rank}" if trainable is None else f"{share:.2%} trainable"
+    rows.append(Layout(f"LoRA {label}", trainable=share, changes=(what,)))
+    rows.append(Layout(f"QLoRA {label}", trainable=share, base_bytes=NF4_BYTES,
+                       changes=(what, "numerics: 4-bit (NF4) base weights")))
+    for strategy in ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3"):
+        for n in world_sizes:
+            rows.append(_sharded(inputs, strategy, n))
+    rows.append(Layout("optimizer-state offload", strategy="deepspeed_stage_2_offload"))
+    rows.append(Layout("activation offload", activation_offload=True))
+    rows.append(Layout("zero gradients before forward", zero_grad_before_forward=True))
+    return rows
+
+
+def _sharded(inputs: ForecastInputs, strategy: str, n: int) -> Layout:
+    """Sharding over ``n`` GPUs keeps the global batch when the micro-batch divides among them."""
+    name = {"fsdp": "FSDP2", "deepspeed_stage_2": "ZeRO-2", "deepspeed_stage_3": "ZeRO-3"}[strategy]
+    split = inputs.micro_batch % n == 0
+    changes = () if split else (f"effective batch ×{n} (micro-batch {inputs.micro_batch} on every GPU)",)
+    per_rank = inputs.micro_batch // n if split else inputs.micro_batch
+    return Layout(f"{name} × {n} GPUs (micro-batch {per_rank} each)", strategy=strategy, world_size=n,
+                  split_batch=split, changes=changes)
+
+
+def remedies(inputs: ForecastInputs, lora_rank: int = 16, trainable: Optional[float] = None,
+             world_size: Optional[int] = None) -> List[Remedy]:
+    """Every remedy for the job ``inputs`` as a priced row: its checkpointing policies, then each other remedy on its
+    own, then, for each that does not fit alone, the cheapest combination with a policy (and zeroing the
+    gradients before the forward) that does. ``world_size`` fixes the GPUs the sharding rows use; by default each
+    uses the fewest of 2, 4, 8 that fits (8 when none does)."""
+    rows = [price(inputs, Layout(p, policy=p)) for p in inputs.policies]
+    for layout in _single_remedies(inputs, lora_rank, trainable, [world_size] if world_size else [2, 4, 8]):
+        rows.append(price(inputs, layout))
+    if world_size is None:
+        rows = _fewest_gpus(rows)
+    combined = []
+    for row in rows[len(inputs.policies):]:
+        if row.fits is False:
+            combo = _combination(inputs, Layout(**row.layout))
+            if combo is not None:
+                combined.append(combo)
+    return rows + combined
+
+
+def _fewest_gpus(rows: List[Remedy]) -> List[Remedy]:
+    """Of the sharding rows for one strategy, keep the fewest GPUs that fit (the most when none fits)."""
+    out, by_strategy = [], {}
+    for row in rows:
+        s = row.layout["strategy"]
+        if s in ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3"):
+            by_strategy.setdefault(s, []).append(row)
+        else:
+            out.append(row)
+    for group in by_strategy.values():
+        out.append(next((r for r in group if r.fits), group[-1]))
+    return out
+
+
+def _combination(inputs: ForecastInputs, layout: Layout) -> Optional[Remedy]:
+    """The cheapest fitting row of ``layout`` plus a checkpointing policy and/or zeroing gradients early."""
+    candidates = []
+    for policy in inputs.policies:
+        for zero in (False, True):
+            if policy == layout.policy and zero == layout.zero_grad_before_forward:
+                continue
+            parts = [layout.name] + ([policy] if policy != "none" else []) + (["zero gradients"] if zero else [])
+            candidates.append(price(inputs, replace(layout, name=" + ".join(parts), policy=policy,
+                                                    zero_grad_before_forward=zero or layout.zero_grad_before_forward)))
+    fitting = [r for r in candidates if r.fits]
+    return min(fitting, key=Remedy.price_key) if fitting else None
+
+
+def recommend(rows: Sequence[Remedy]) -> Tuple[Optional[Remedy], Optional[Remedy]]:
+    """The cheapest row that fits without changing the training, and the cheapest that fits at all."""
+    fitting = [r for r in rows if r.fits]
+    keep = [r for r in fitting if not r.changes_training]
+    return (min(keep, key=Remedy.price_key) if keep else None,
+            min(fitting, key=Remedy.price_key) if fitting else None)
+
+
+def deepspeed_zero2_reference(params: float, gpus: int) -> int:
+    """DeepSpeed's ``estimate_zero2_model_states_mem_needs(..., cpu_offload=False)`` GPU bytes: 4·P + 16·P/N."""
+    return 4 * int(params) + int(16 * int(params) / gpus)
+
+
+def deepspeed_zero3_reference(params: float, largest_layer: float, gpus: int) -> int:
+    """DeepSpeed's ``estimate_zero3_model_states_mem_needs(..., cpu_offload=False)`` GPU bytes:
+    4·largest_layer + 18·P/N."""
+    return 4 * int(largest_layer) + int(18 * int(params) / gpus)
