@@ -99,6 +99,10 @@ class ActivationCheckpointing(Callback):
             write ``oom_snapshot_rank{r}.pickle`` beside the logs (PyTorch's memory viewer opens it) before anything
             is released; the out-of-memory diagnosis names it. ``True`` keeps the newest 100000 events, an int that
             many. Recording costs host time per allocation: off by default (:mod:`lightning_ckpt.lightning.snapshot`).
+        zero_grad_before_forward: free the previous step's gradients (``optimizer.zero_grad(set_to_none=True)``)
+            before the first micro-batch's forward. Lightning frees them between ``training_step`` and
+            ``backward``, so they stay alive through the forward's peak; the gradients the step builds are the
+            same. Automatic optimization only (``lightning-ckpt plan --remedies`` prices it).
 
     Attributes:
         plan: the :class:`~lightning_ckpt.core.wrap.CheckpointPlan` once applied (``None`` before ``fit``).
@@ -198,6 +202,7 @@ class ActivationCheckpointing(Callback):
         shape_fn: Optional[Callable[[Any], Any]] = None,
         per_shape: bool = True,
         snapshot_on_oom: Union[bool, int] = False,
+        zero_grad_before_forward: bool = False,
     ) -> None:
         settings = Settings(policy=policy, blocks=blocks, preserve_rng_state=preserve_rng_state,
                             determinism_check=determinism_check, debug=debug, measure=measure,
@@ -206,7 +211,8 @@ class ActivationCheckpointing(Callback):
                             cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom,
                             stateful=stateful, verify=verify, report=report,
                             compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn,
-                            per_shape=per_shape, snapshot_on_oom=snapshot_on_oom)
+                            per_shape=per_shape, snapshot_on_oom=snapshot_on_oom,
+                            zero_grad_before_forward=zero_grad_before_forward)
         setattr(self, ENGINE_ATTR, CheckpointingEngine(settings, owner=type(self).__name__))
 
     # ------------------------------------------------------------------------------------------ what users read
@@ -266,6 +272,8 @@ class ActivationCheckpointing(Callback):
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
+        if self.settings.zero_grad_before_forward:
+            _zero_grad_before_forward(trainer, pl_module, batch_idx)
         self._engine.batch_start(trainer, pl_module, batch, batch_idx)
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
@@ -304,3 +312,12 @@ class ActivationCheckpointing(Callback):
         auto = self._engine.settings.auto_threshold
         return f"{type(self).__name__}(policy={self.policy.spec!r}" + (
             f", auto_threshold={auto!r})" if auto is not None else ")")
+
+
+def _zero_grad_before_forward(trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch_idx: int) -> None:
+    """At the first micro-batch of a step (Lightning's own test: ``batch_idx % accumulate_grad_batches == 0``, where
+    it zeroes them after ``training_step``) the previous step has finished: free its gradients now."""
+    if not pl_module.automatic_optimization or batch_idx % trainer.accumulate_grad_batches:
+        return
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)

@@ -55,6 +55,7 @@ class Settings:
     shape_fn: Optional[Callable[[Any], Any]] = None
     per_shape: bool = True
     snapshot_on_oom: Union[bool, int] = False
+    zero_grad_before_forward: bool = False
     start: Policy = field(init=False)
     budget: Optional[BudgetPolicy] = field(init=False)
     options: CheckpointOptions = field(init=False)
@@ -101,7 +102,7 @@ class Settings:
                              "auto-toggle decisions).")
         if not isinstance(self.prefix, str):
             raise TypeError(f"prefix={self.prefix!r} must be a string such as 'ac' (or '' for none).")
-        for name in ("measure", "verify", "report", "compile_blocks", "per_shape"):
+        for name in ("measure", "verify", "report", "compile_blocks", "per_shape", "zero_grad_before_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.tokens_fn is not None and not callable(self.tokens_fn):

@@ -88,6 +88,7 @@ class ActivationCheckpointingMixin:
         shape_fn: Optional[Callable[[Any], Any]] = None,
         per_shape: bool = True,
         snapshot_on_oom: Union[bool, int] = False,
+        zero_grad_before_forward: bool = False,
         **kwargs: Any,
     ) -> None:
         # imported here, not at the top: registering the strategies (which imports this module) runs right after
@@ -100,7 +101,7 @@ class ActivationCheckpointingMixin:
             prefix=prefix, auto_threshold=auto_threshold, capacity=capacity, ladder=ladder, release=release,
             cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom, stateful=stateful,
             verify=verify, report=report, compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn,
-            per_shape=per_shape, snapshot_on_oom=snapshot_on_oom)
+            per_shape=per_shape, snapshot_on_oom=snapshot_on_oom, zero_grad_before_forward=zero_grad_before_forward)
         callback._engine.owner = type(self).__name__
         super().__init__(*args, **kwargs)
         self.checkpointing = callback
