@@ -22,7 +22,7 @@ from lightning_ckpt.forecast.numbers import (
     forecast_from_numbers,
 )
 from lightning_ckpt.forecast.precision import PRECISIONS
-from lightning_ckpt.forecast.remedies import STRATEGIES, Layout, price, recommend, remedies
+from lightning_ckpt.forecast.remedies import STRATEGIES, Job, Layout, price, recommend, remedies
 from lightning_ckpt.forecast.sdpa import describe_choices, resolve_gpu, saved_bytes, select_for_call
 from lightning_ckpt.forecast.trace import DEVICES, forecast_model
 
@@ -64,8 +64,8 @@ def add_parser(sub) -> None:
     p.add_argument("--act-dtype", default=None, help="numbers only (default bf16)")
     p.add_argument("--tensors-per-block", type=float, default=None,
                    help="numbers only: hidden-width tensors a block keeps for backward (default "
-                        f"{KORTHIKANTI_TENSORS}, after Korthikanti et al. with a fused attention kernel; the seed's "
-                        "simplified example uses 6)")
+                        f"{KORTHIKANTI_TENSORS}, after Korthikanti et al. with a fused attention kernel; the "
+                        "simplified textbook example uses 6)")
     p.add_argument("--attention", default=None, choices=["fused", "eager"], help="numbers only (default fused)")
     p.add_argument("--precision", default=None,
                    help=f"--model: a Lightning precision, one of {', '.join(PRECISIONS)} (default 32-true); the "
@@ -137,16 +137,9 @@ def run(args) -> int:
         raise ValueError("pass exactly one of --params N (plan from numbers) or --model pkg.module:factory (trace "
                          "the model, or a --config whose model has a class_path); got "
                          f"--params={args.params!r} and --model={args.model!r}.")
-    if args.model is not None:
-        for name in ("strategy", "world_size"):
-            if getattr(args, name) is not None:
-                raise ValueError(f"--{name.replace('_', '-')} is priced from numbers for now; plan with --params "
-                                 "(and --layers, --hidden) instead of --model.")
-        if args.remedies:
-            raise ValueError("--remedies is priced from numbers for now; plan with --params (and --layers, "
-                             "--hidden) instead of --model.")
-        return _run_plan_model(args)
     _check_ranks(args)
+    if args.model is not None:
+        return _run_plan_model(args)
     for name in ("init_args", "config", "vocab_size", "precision", "device", "sdpa_backend"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} only applies with --model; drop it or pass --model.")
@@ -180,25 +173,15 @@ def run(args) -> int:
                          saved_bytes_per_block=saved_bytes(choice.backend, call), assumptions=list(gpu.assumptions),
                          explanation=choice.explain())
     forecast = forecast_from_numbers(inputs)
-    per_rank = _per_rank(inputs, args)
-    rows = remedies(inputs, args.lora_rank, args.trainable, args.world_size) if args.remedies else None
+    job = Job.from_numbers(inputs)
     if args.json:
         data = forecast.as_json()
         if attention is not None:
             data["attention"] = attention
-        if per_rank is not None:
-            data["per_rank"] = {p: row.as_json() for p, row in per_rank.items()}
-        if rows is not None:
-            keep, any_ = recommend(rows)
-            data.update(remedies=[r.as_json() for r in rows], recommended=keep and keep.name,
-                        recommended_any=any_ and any_.name)
-        print(json.dumps(data, indent=2))
+        print(json.dumps({**data, **_rank_and_remedies_json(job, args)}, indent=2))
     else:
         print(_table(forecast))
-        if per_rank is not None:
-            print(_rank_table(per_rank, args, capacity))
-        if rows is not None:
-            print(_remedies_table(rows, capacity))
+        _print_rank_and_remedies(job, args, capacity)
         if attention is not None:
             print(f"attention on {attention['gpu']}: {attention['backend']} [{attention['source']}], saves "
                   f"{format_bytes(attention['saved_bytes_per_block'])} per block "
@@ -222,12 +205,34 @@ def _check_ranks(args) -> None:
         raise ValueError(f"--trainable={args.trainable!r} must be a share between 0 and 1, e.g. 0.01.")
 
 
-def _per_rank(inputs: ForecastInputs, args) -> Optional[dict]:
+def _per_rank(job: Job, args) -> Optional[dict]:
     """Each policy's row on one GPU under --strategy over --world-size GPUs (``None`` without --strategy)."""
     if args.strategy is None:
         return None
     n = args.world_size or 1
-    return {p: price(inputs, Layout(p, policy=p, strategy=args.strategy, world_size=n)) for p in inputs.policies}
+    return {p: price(job, Layout(p, policy=p, strategy=args.strategy, world_size=n)) for p in job.policies}
+
+
+def _rank_and_remedies_json(job: Job, args) -> dict:
+    """``per_rank`` (with --strategy) and ``remedies``, ``recommended``, ``recommended_any`` (with --remedies)."""
+    data: dict = {}
+    per_rank = _per_rank(job, args)
+    if per_rank is not None:
+        data["per_rank"] = {p: row.as_json() for p, row in per_rank.items()}
+    if args.remedies:
+        rows = remedies(job, args.lora_rank, args.trainable, args.world_size)
+        keep, any_ = recommend(rows)
+        data.update(remedies=[r.as_json() for r in rows], recommended=keep and keep.name,
+                    recommended_any=any_ and any_.name)
+    return data
+
+
+def _print_rank_and_remedies(job: Job, args, capacity: Optional[int]) -> None:
+    per_rank = _per_rank(job, args)
+    if per_rank is not None:
+        print(_rank_table(per_rank, args, capacity))
+    if args.remedies:
+        print(_remedies_table(remedies(job, args.lora_rank, args.trainable, args.world_size), capacity))
 
 
 _LINES = ("parameters", "gradients", "optimizer state", "master copy", "in flight", "activations")
@@ -307,18 +312,22 @@ def _run_plan_model(args) -> int:
     sdpa_log: list = []
     _, kwargs, _ = load_init_args(args.init_args, args.config)
     t0 = time.perf_counter()
+    policies = parse_policy_list(args.policies)
+    if (args.remedies or args.strategy) and "none" not in policies:
+        policies = ["none", *policies]  # the job as it is: what every remedy is priced from
     forecast = forecast_model(args.model, kwargs, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                              policies=parse_policy_list(args.policies), param_dtype=args.param_dtype,
+                              policies=policies, param_dtype=args.param_dtype,
                               optimizer=args.optimizer, master_dtype=args.master_dtype, capacity=capacity,
                               vocab_size=args.vocab_size, precision=args.precision or "32-true", device=device,
                               sdpa_backend=args.sdpa_backend or "auto", foreach=args.foreach, gpu=gpu,
                               sdpa_log=sdpa_log)
     attention = _attention_summary(gpu, sdpa_log)
+    job = Job.from_forecast(forecast) if args.remedies or args.strategy else None
     if args.json:
         data = forecast.as_json()
         if attention is not None:
             data["attention"] = attention
-        print(json.dumps(data, indent=2))
+        print(json.dumps({**data, **(_rank_and_remedies_json(job, args) if job else {})}, indent=2))
         return 0
     print(f"model {forecast.model}: {_count(forecast.num_params)} parameters, {forecast.blocks} blocks of "
           f"{forecast.block_class}, "
@@ -339,6 +348,8 @@ def _run_plan_model(args) -> int:
         print(f"attention on {attention['gpu']}: {calls}")
         for note in attention["assumptions"]:
             print(f"  assumption: {note}")
+    if job is not None:
+        _print_rank_and_remedies(job, args, capacity)
     return 0
 
 

@@ -1,7 +1,9 @@
 """Every remedy for a job that does not fit, priced side by side, and how each strategy lays a job out per rank.
 
-Pure arithmetic on a numbers forecast (:mod:`lightning_ckpt.forecast.numbers`): no torch, no Lightning. A remedy
-is a :class:`Layout` (what it changes in the job) priced by :func:`price` into a :class:`Remedy` row: the ledger
+Pure arithmetic on a forecast: a :class:`Job` is made from numbers (:mod:`lightning_ckpt.forecast.numbers`) or from
+a traced model's forecast (``plan --model``, whose measured phases beyond these formulas are kept as they are); no
+torch, no Lightning. A remedy is a :class:`Layout` (what it changes in the job) priced by :func:`price` into a
+:class:`Remedy` row: the ledger
 one GPU holds after it (``lines``), the step's peak by phase, whether it fits, what it costs and what it changes
 in the training. :func:`remedies` builds the rows for one job and :func:`recommend` picks two of them.
 
@@ -33,7 +35,8 @@ DeepSpeed's default) never keeps them all. Neither estimator counts activations;
 Costs are per optimizer step: ``recompute`` (the share of the blocks' forward run again), ``host_device_bytes``
 (PCIe traffic), ``communicated_bytes`` (per rank), ``gpus_added`` and ``micro_batches``. The cheapest row orders
 them in that order of price: more GPUs first, then host traffic (PCIe is ~20x slower than the GPU's memory), then
-recomputed forward, then extra micro-batches, then bytes communicated; a tie goes to the lower peak.
+recomputed forward, then extra micro-batches, then bytes communicated; a tie goes to the row that changes less in the
+training, then to the lower peak.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from lightning_ckpt.forecast.numbers import (
     DTYPE_BYTES,
+    OPTIMIZER_MOMENTS,
     ForecastInputs,
+    adafactor_values,
     backward_first_fraction,
     forecast_from_numbers,
     recomputed_fraction,
@@ -54,6 +59,7 @@ __all__ = [
     "BLOCKWISE_8BIT",
     "NF4_BYTES",
     "STRATEGIES",
+    "Job",
     "Layout",
     "Remedy",
     "deepspeed_zero2_reference",
@@ -148,10 +154,11 @@ class Remedy:
         return asdict(self)
 
     def price_key(self) -> Tuple[float, ...]:
-        """Cheapest first (module docstring): GPUs, host traffic, recompute, micro-batches, communication, peak."""
+        """Cheapest first (module docstring): GPUs, host traffic, recompute, micro-batches, communication, then the
+        fewer changes to the training, then the lower peak."""
         c = self.cost
         return (c["gpus_added"], c["host_device_bytes"], c["recompute"], c["micro_batches"], c["communicated_bytes"],
-                self.peak)
+                len(self.changes), self.peak)
 
 
 def lora_fraction(rank: int, layers: int, hidden: int, params: float) -> float:
@@ -160,18 +167,106 @@ def lora_fraction(rank: int, layers: int, hidden: int, params: float) -> float:
     return layers * 16 * rank * hidden / params
 
 
-def price(inputs: ForecastInputs, layout: Layout) -> Remedy:
-    """The row for ``layout`` applied to the job ``inputs`` (numbers; see the module docstring)."""
-    n, N = inputs.params, layout.world_size
-    pb = DTYPE_BYTES[inputs.param_dtype.lower()]
-    gb = DTYPE_BYTES[inputs.grad_dtype.lower()]
-    mb = DTYPE_BYTES[inputs.master_dtype.lower()] if layout.master else 0
-    base = forecast_from_numbers(replace(inputs, policies=(layout.policy,), capacity=None))
-    adapters = layout.trainable < 1.0  # LoRA's adapters are parameters added to the frozen model
-    t = layout.trainable * n
+@dataclass(frozen=True)
+class Job:
+    """The job as a remedy sees it: counts, bytes per element and the traced or estimated activations.
+
+    Attributes:
+        params: parameters (elements); ``trainable`` the share that trains.
+        param_bytes, grad_bytes, master_bytes: bytes per parameter, per trainable gradient, per master value.
+        optimizer: the optimizer state's bytes; ``moments`` values per trainable parameter (Adam 2).
+        layers, hidden: the repeated blocks and their width (GPT-2 layout for block sizes and LoRA).
+        micro_batch: sequences per micro-batch; ``capacity`` the GPU's bytes (or ``None``).
+        activations: per policy, activation bytes at the peak; ``interior`` one block's.
+        temporaries: per policy, the optimizer step's bytes beyond the model state.
+        extra: per policy and phase, what a trace measured beyond these formulas (0 from numbers).
+        param_dtype, optimizer_name: as given, for the rows' words.
+    """
+
+    params: float
+    param_bytes: float
+    grad_bytes: float
+    master_bytes: float
+    optimizer: float
+    moments: int
+    layers: int
+    hidden: int
+    micro_batch: int
+    capacity: Optional[int]
+    activations: Dict[str, int]
+    interior: int
+    temporaries: Dict[str, int]
+    trainable: float = 1.0
+    extra: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    param_dtype: str = "bf16"
+    optimizer_name: str = "adam"
+
+    @property
+    def policies(self) -> Tuple[str, ...]:
+        return tuple(self.activations)
+
+    @property
+    def block_params(self) -> float:
+        return min(self.params / self.layers, 12 * self.hidden**2 + 13 * self.hidden)
+
+    @classmethod
+    def from_numbers(cls, inputs: ForecastInputs) -> "Job":
+        """The job ``plan --params`` describes; ``none`` is always among its policies (the job as it is)."""
+        policies = tuple(dict.fromkeys(("none", *inputs.policies)))
+        base = forecast_from_numbers(replace(inputs, policies=policies, capacity=None))
+        opt = inputs.optimizer.lower()
+        return cls(params=inputs.params, param_bytes=DTYPE_BYTES[inputs.param_dtype.lower()],
+                   grad_bytes=DTYPE_BYTES[inputs.grad_dtype.lower()],
+                   master_bytes=DTYPE_BYTES[inputs.master_dtype.lower()], optimizer=base.optimizer,
+                   moments=OPTIMIZER_MOMENTS[opt], layers=inputs.layers, hidden=inputs.hidden,
+                   micro_batch=inputs.micro_batch, capacity=inputs.capacity, activations=dict(base.activations),
+                   interior=base.block_interior,
+                   temporaries={p: v["optimizer"] - base.model_state for p, v in base.phase_peaks.items()},
+                   param_dtype=inputs.param_dtype, optimizer_name=opt)
+
+    @classmethod
+    def from_forecast(cls, forecast) -> "Job":
+        """The job a ``plan --model`` trace measured (:class:`~lightning_ckpt.forecast.trace.ModelForecast`): its
+        lines and activations as traced, the width read back from one hidden-width tensor, and what each phase
+        measured beyond these formulas kept as ``extra``."""
+        inputs = forecast.inputs
+        n = forecast.num_params
+        trainable = forecast.grads / forecast.params if forecast.params else 1.0  # a gradient has its weight's dtype
+        t = trainable * n
+        act_bytes = 2 if str(forecast.precision).startswith(("bf16", "16")) else 4
+        tokens = inputs["micro_batch"] * inputs["seq_len"]
+        hidden = max(1, round(forecast.hidden_tensor / (tokens * act_bytes)))
+        opt = str(inputs.get("optimizer") or "adamw").lower()
+        moments = OPTIMIZER_MOMENTS.get(opt, 2)
+        job = cls(params=n, param_bytes=forecast.params / n, grad_bytes=forecast.grads / t if t else 0.0,
+                  master_bytes=forecast.master / t if t else 0.0, optimizer=forecast.optimizer, moments=moments,
+                  layers=max(1, forecast.blocks), hidden=hidden, micro_batch=inputs["micro_batch"],
+                  capacity=forecast.capacity, activations=dict(forecast.activations),
+                  interior=forecast.block_interior,
+                  temporaries={p: v["optimizer"] - forecast.model_state for p, v in forecast.phase_peaks.items()},
+                  trainable=trainable, param_dtype=str(inputs.get("param_dtype") or "as built"), optimizer_name=opt)
+        extra = {}
+        for policy, measured in forecast.phase_peaks.items():
+            formula = price(job, Layout(policy, policy=policy)).phases
+            extra[policy] = {k: measured[k] - formula[k] for k in formula}
+        return replace(job, extra=extra)
+
+
+def price(job: "Job | ForecastInputs", layout: Layout) -> Remedy:
+    """The row for ``layout`` applied to ``job`` (a :class:`Job`, or the numbers it is made from; see the module
+    docstring)."""
+    if isinstance(job, ForecastInputs):
+        job = Job.from_numbers(job)
+    n, N = job.params, layout.world_size
+    pb, gb = job.param_bytes, job.grad_bytes
+    mb = job.master_bytes if layout.master else 0
+    # LoRA's adapters are trainable parameters added to the frozen model; otherwise the model's own share trains
+    adapters = layout.trainable < 1.0
+    t = (layout.trainable if adapters else job.trainable) * n
+    share = t / (job.trainable * n)
     params = (n * (layout.base_bytes if layout.base_bytes is not None else pb)) + (t * pb if adapters else 0)
     grads, master = t * gb, t * mb
-    optimizer = base.optimizer * layout.trainable if layout.moment_bytes is None else t * layout.moment_bytes
+    optimizer = job.optimizer * share if layout.moment_bytes is None else t * layout.moment_bytes
     sharded = _SHARDED[layout.strategy.replace("_offload", "")]
     deepspeed = layout.strategy.startswith("deepspeed")
     partition = t * mb if deepspeed and mb >= 4 else 0  # DeepSpeed's fp32 gradients for an fp32 master copy
@@ -179,39 +274,38 @@ def price(inputs: ForecastInputs, layout: Layout) -> Remedy:
              "gradients": grads / N if "g" in sharded else grads,
              "optimizer state": optimizer / N if "o" in sharded else optimizer,
              "master copy": master / N if "m" in sharded else master}
-    in_flight = _in_flight(layout, t, gb, lines, n, pb, inputs)
+    in_flight = _in_flight(layout, job, t)
     lines["gradients"] += partition / N
     host = _offloaded(layout, lines)
-    micro = inputs.micro_batch // layout.accumulation // (N if layout.split_batch else 1)
-    act_full = base.activations[layout.policy] * micro // inputs.micro_batch
-    act = min(act_full, base.block_interior * micro // inputs.micro_batch) if layout.activation_offload else act_full
+    micro = job.micro_batch // layout.accumulation // (N if layout.split_batch else 1)
+    act_full = job.activations[layout.policy] * micro // job.micro_batch
+    act = min(act_full, job.interior * micro // job.micro_batch) if layout.activation_offload else act_full
     host += act_full - act
     lines["activations"] = act
     lines["in flight"] = in_flight["persistent"]
     lines = {k: round(v) for k, v in lines.items()}
     lines["host"] = round(host)
-    phases = _phases(inputs, layout, lines, in_flight, base)
+    phases = _phases(job, layout, lines, in_flight, share)
     peak = max(phases.values())
-    fits = None if inputs.capacity is None else peak <= inputs.capacity
-    cost = _cost(inputs, layout, lines, grads, params, act_full)
+    fits = None if job.capacity is None else peak <= job.capacity
+    cost = _cost(job, layout, lines, grads, params, act_full)
     return Remedy(layout.name, lines, phases, peak, fits, cost, bool(layout.changes), list(layout.changes),
                   asdict(layout))
 
 
-def _in_flight(layout: Layout, t: float, gb: int, lines: Dict[str, float], n: float, pb: int,
-               inputs: ForecastInputs) -> Dict[str, float]:
+def _in_flight(layout: Layout, job: Job, t: float) -> Dict[str, float]:
     """Buffers a strategy adds: DDP's buckets (persistent), DeepSpeed's reduce bucket, the gathered blocks."""
     s = layout.strategy.replace("_offload", "")
-    block = min(n / inputs.layers, 12 * inputs.hidden**2 + 13 * inputs.hidden) * layout.trainable
-    gathered = min(n / inputs.layers, 12 * inputs.hidden**2 + 13 * inputs.hidden) * pb
+    gathered = job.block_params * job.param_bytes
+    block_grads = job.block_params * t / job.params * job.grad_bytes
     if s == "ddp" and layout.world_size > 1:
-        return {"persistent": t * gb, "forward": 0, "backward": 0}
+        return {"persistent": t * job.grad_bytes, "forward": 0, "backward": 0}
     if s in ("deepspeed_stage_2", "deepspeed_stage_3"):
-        bucket = min(DEEPSPEED_REDUCE_BUCKET, t) * gb
+        bucket = min(DEEPSPEED_REDUCE_BUCKET, t) * job.grad_bytes
         extra = 2 * gathered if s == "deepspeed_stage_3" else 0
         return {"persistent": 0, "forward": extra, "backward": extra + bucket}
     if s == "fsdp" and layout.world_size > 1:
-        return {"persistent": 0, "forward": 2 * gathered, "backward": 2 * gathered + block * gb}
+        return {"persistent": 0, "forward": 2 * gathered, "backward": 2 * gathered + block_grads}
     return {"persistent": 0, "forward": 0, "backward": 0}
 
 
@@ -230,24 +324,25 @@ def _offloaded(layout: Layout, lines: Dict[str, float]) -> float:
     return host
 
 
-def _phases(inputs: ForecastInputs, layout: Layout, lines: Dict[str, int], in_flight: Dict[str, float],
-            base) -> Dict[str, int]:
+def _phases(job: Job, layout: Layout, lines: Dict[str, int], in_flight: Dict[str, float],
+            share: float) -> Dict[str, int]:
     """Forward, backward and optimizer peaks on the GPU, in Lightning's order (numbers.forecast_from_numbers)."""
     grads, act = lines["gradients"], lines["activations"]
     static = lines["parameters"] + lines["optimizer state"] + lines["master copy"] + lines["in flight"]
     held = layout.accumulation > 1 or not layout.zero_grad_before_forward  # gradients alive through the forward
-    first = round(grads * (1 / inputs.layers if layout.trainable < 1 else
-                           backward_first_fraction(inputs.params, inputs.layers, inputs.hidden)))
+    first = round(grads * (1 / job.layers if layout.trainable < 1 else
+                           backward_first_fraction(job.params, job.layers, job.hidden)))
     backward = static + (grads + act if layout.accumulation > 1 else max(act + first, grads))
-    temporaries = base.phase_peaks[layout.policy]["optimizer"] - base.model_state
+    temporaries = job.temporaries[layout.policy] * share / layout.world_size
     if layout.moment_bytes is not None or layout.strategy.endswith("_offload"):
         temporaries = 0  # a quantised or host optimizer steps without torch's multi-tensor temporaries
-    return {"forward": round(static + (grads if held else 0) + act + in_flight["forward"]),
-            "backward": round(backward + in_flight["backward"]),
-            "optimizer": round(static + grads + temporaries * layout.trainable / max(layout.world_size, 1))}
+    extra = job.extra.get(layout.policy, {})
+    return {"forward": round(static + (grads if held else 0) + act + in_flight["forward"]) + extra.get("forward", 0),
+            "backward": round(backward + in_flight["backward"]) + extra.get("backward", 0),
+            "optimizer": round(static + grads + temporaries) + extra.get("optimizer", 0)}
 
 
-def _cost(inputs: ForecastInputs, layout: Layout, lines: Dict[str, int], grads: float, params: float,
+def _cost(job: Job, layout: Layout, lines: Dict[str, int], grads: float, params: float,
           act_full: int) -> Dict[str, float]:
     N, s = layout.world_size, layout.strategy
     ring = (N - 1) / N
@@ -267,38 +362,36 @@ def _cost(inputs: ForecastInputs, layout: Layout, lines: Dict[str, int], grads: 
             host += 2 * layout.accumulation * params / N
     if layout.activation_offload:
         host += 2 * (act_full - lines["activations"]) * layout.accumulation
-    recompute = 0.0 if layout.activation_offload else recomputed_fraction(layout.policy, inputs.layers)
+    recompute = 0.0 if layout.activation_offload else recomputed_fraction(layout.policy, job.layers)
     return {"recompute": round(recompute, 4), "host_device_bytes": round(host),
             "communicated_bytes": round(communicated), "gpus_added": N - 1, "micro_batches": layout.accumulation}
 
 
-def _single_remedies(inputs: ForecastInputs, lora_rank: int, trainable: Optional[float],
+def _single_remedies(job: Job, lora_rank: int, trainable: Optional[float],
                      world_sizes: Sequence[int]) -> List[Layout]:
-    moments = 0 if inputs.optimizer.lower() in ("sgd",) else (1 if inputs.optimizer.lower() != "adam" and
-                                                              inputs.optimizer.lower() != "adamw" else 2)
     rows: List[Layout] = []
-    mb = inputs.micro_batch
-    ks = [k for k in range(2, mb + 1) if mb % k == 0]
-    if ks:
-        rows += [Layout(f"micro-batch {mb // k} × {k} accumulated", accumulation=k) for k in ks]
-    if inputs.moment_dtype.lower() not in ("bf16", "bfloat16", "fp16", "float16") and moments:
-        rows.append(Layout("bf16 moments", moment_bytes=2 * moments, changes=("numerics: moments in bf16",)))
-    if DTYPE_BYTES[inputs.master_dtype.lower()]:
+    mb, t = job.micro_batch, job.trainable * job.params
+    rows += [Layout(f"micro-batch {mb // k} × {k} accumulated", accumulation=k) for k in range(2, mb + 1)
+             if mb % k == 0]
+    per_value = job.optimizer / (t * job.moments) if job.moments and t else 0.0
+    if per_value > 2.5:  # fp32 moments (a step counter or two per tensor aside)
+        rows.append(Layout("bf16 moments", moment_bytes=job.optimizer / t * 2 / per_value,
+                           changes=("numerics: moments in bf16",)))
+    if job.master_bytes:
         rows.append(Layout("no master copy", master=False,
-                           changes=(f"numerics: updates applied to the {inputs.param_dtype} weights",)))
-    if inputs.optimizer.lower() in ("adam", "adamw"):
+                           changes=(f"numerics: updates applied to the {job.param_dtype} weights",)))
+    if job.optimizer_name in ("adam", "adamw"):
         rows.append(Layout("8-bit optimizer state", moment_bytes=2 * BLOCKWISE_8BIT,
                            changes=("numerics: blockwise 8-bit moments",)))
         rows.append(Layout("4-bit optimizer state", moment_bytes=2 * BLOCKWISE_4BIT,
                            changes=("numerics: blockwise 4-bit moments",)))
-    if inputs.optimizer.lower() != "adafactor":
-        from lightning_ckpt.forecast.numbers import adafactor_values
-
-        per_param = adafactor_values(inputs.params, inputs.layers, inputs.hidden) * 4 / inputs.params
+    if job.optimizer_name != "adafactor":
+        per_param = adafactor_values(job.params, job.layers, job.hidden) * 4 / job.params
         rows.append(Layout("Adafactor (factored)", moment_bytes=per_param,
                            changes=("numerics: another optimizer (factored second moment, no first moment)",)))
-    share = trainable if trainable is not None else lora_fraction(lora_rank, inputs.layers, inputs.hidden,
-                                                                  inputs.params)
+    if trainable is None and job.trainable < 1:
+        trainable = job.trainable  # the model already trains a share of itself (adapters): price that share
+    share = trainable if trainable is not None else lora_fraction(lora_rank, job.layers, job.hidden, job.params)
     what = f"trainable parameters: {share:.2%} (adapters only)"
     label = f"rank {lora_rank}" if trainable is None else f"{share:.2%} trainable"
     rows.append(Layout(f"LoRA {label}", trainable=share, changes=(what,)))
@@ -306,38 +399,40 @@ def _single_remedies(inputs: ForecastInputs, lora_rank: int, trainable: Optional
                        changes=(what, "numerics: 4-bit (NF4) base weights")))
     for strategy in ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3"):
         for n in world_sizes:
-            rows.append(_sharded(inputs, strategy, n))
+            rows.append(_sharded(job, strategy, n))
     rows.append(Layout("optimizer-state offload", strategy="deepspeed_stage_2_offload"))
     rows.append(Layout("activation offload", activation_offload=True))
     rows.append(Layout("zero gradients before forward", zero_grad_before_forward=True))
     return rows
 
 
-def _sharded(inputs: ForecastInputs, strategy: str, n: int) -> Layout:
+def _sharded(job: Job, strategy: str, n: int) -> Layout:
     """Sharding over ``n`` GPUs keeps the global batch when the micro-batch divides among them."""
     name = {"fsdp": "FSDP2", "deepspeed_stage_2": "ZeRO-2", "deepspeed_stage_3": "ZeRO-3"}[strategy]
-    split = inputs.micro_batch % n == 0
-    changes = () if split else (f"effective batch ×{n} (micro-batch {inputs.micro_batch} on every GPU)",)
-    per_rank = inputs.micro_batch // n if split else inputs.micro_batch
+    split = job.micro_batch % n == 0
+    changes = () if split else (f"effective batch ×{n} (micro-batch {job.micro_batch} on every GPU)",)
+    per_rank = job.micro_batch // n if split else job.micro_batch
     return Layout(f"{name} × {n} GPUs (micro-batch {per_rank} each)", strategy=strategy, world_size=n,
                   split_batch=split, changes=changes)
 
 
-def remedies(inputs: ForecastInputs, lora_rank: int = 16, trainable: Optional[float] = None,
+def remedies(job: "Job | ForecastInputs", lora_rank: int = 16, trainable: Optional[float] = None,
              world_size: Optional[int] = None) -> List[Remedy]:
-    """Every remedy for the job ``inputs`` as a priced row: its checkpointing policies, then each other remedy on its
-    own, then, for each that does not fit alone, the cheapest combination with a policy (and zeroing the
-    gradients before the forward) that does. ``world_size`` fixes the GPUs the sharding rows use; by default each
-    uses the fewest of 2, 4, 8 that fits (8 when none does)."""
-    rows = [price(inputs, Layout(p, policy=p)) for p in inputs.policies]
-    for layout in _single_remedies(inputs, lora_rank, trainable, [world_size] if world_size else [2, 4, 8]):
-        rows.append(price(inputs, layout))
+    """Every remedy for ``job`` as a priced row: its checkpointing policies, then each other remedy on its own, then,
+    for each that does not fit alone, the cheapest combination with a policy (and zeroing the gradients before the
+    forward) that does. ``world_size`` fixes the GPUs the sharding rows use; by default each uses the fewest of 2,
+    4, 8 that fits (8 when none does)."""
+    if isinstance(job, ForecastInputs):
+        job = Job.from_numbers(job)
+    rows = [price(job, Layout(p, policy=p)) for p in job.policies]
+    for layout in _single_remedies(job, lora_rank, trainable, [world_size] if world_size else [2, 4, 8]):
+        rows.append(price(job, layout))
     if world_size is None:
         rows = _fewest_gpus(rows)
     combined = []
-    for row in rows[len(inputs.policies):]:
+    for row in rows[len(job.policies):]:
         if row.fits is False:
-            combo = _combination(inputs, Layout(**row.layout))
+            combo = _combination(job, Layout(**row.layout))
             if combo is not None:
                 combined.append(combo)
     return rows + combined
@@ -357,15 +452,15 @@ def _fewest_gpus(rows: List[Remedy]) -> List[Remedy]:
     return out
 
 
-def _combination(inputs: ForecastInputs, layout: Layout) -> Optional[Remedy]:
+def _combination(job: Job, layout: Layout) -> Optional[Remedy]:
     """The cheapest fitting row of ``layout`` plus a checkpointing policy and/or zeroing gradients early."""
     candidates = []
-    for policy in inputs.policies:
+    for policy in job.policies:
         for zero in (False, True):
             if policy == layout.policy and zero == layout.zero_grad_before_forward:
                 continue
             parts = [layout.name] + ([policy] if policy != "none" else []) + (["zero gradients"] if zero else [])
-            candidates.append(price(inputs, replace(layout, name=" + ".join(parts), policy=policy,
+            candidates.append(price(job, replace(layout, name=" + ".join(parts), policy=policy,
                                                     zero_grad_before_forward=zero or layout.zero_grad_before_forward)))
     fitting = [r for r in candidates if r.fits]
     return min(fitting, key=Remedy.price_key) if fitting else None

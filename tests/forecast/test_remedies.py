@@ -174,3 +174,42 @@ def test_backward_from_numbers_frees_the_previous_gradients_first():
     static = plan.model_state - plan.grads
     assert plan.phase_peaks["none"]["backward"] < plan.phase_peaks["none"]["forward"]
     assert plan.phase_peaks["all"]["backward"] == static + plan.grads  # ends with every gradient built
+
+
+def _frozen_embedding_gpt():
+    from lightning_ckpt.demos.factories import tiny_gpt
+
+    model = tiny_gpt()
+    for name, p in model.named_parameters():
+        if "wte" in name or "wpe" in name:
+            p.requires_grad_(False)
+    return model
+
+
+def test_remedies_from_a_traced_model_keep_its_measured_phases_and_read_its_trainable_share():
+    """plan --model: the job's own rows are the trace's phases exactly; zeroing gradients early takes the traced
+    gradients off the forward; a model that already freezes part of itself prices LoRA at its own share."""
+    from lightning_ckpt.forecast.remedies import Job
+    from lightning_ckpt.forecast.trace import forecast_model
+
+    forecast = forecast_model(_frozen_embedding_gpt, micro_batch=2, seq_len=32, policies=("none", "all"))
+    job = Job.from_forecast(forecast)
+    n = forecast.num_params
+    assert job.trainable == pytest.approx(forecast.grads / forecast.params) and 0.3 < job.trainable < 1
+    none = price(job, Layout("none"))
+    assert none.phases == forecast.phase_peaks["none"]
+    assert _state(none) == forecast.model_state and none.lines["activations"] == forecast.activations["none"]
+    zero = price(job, Layout("zero", zero_grad_before_forward=True))
+    assert none.phases["forward"] - zero.phases["forward"] == forecast.grads
+    lora = next(r for r in remedies(job) if r.name.startswith("LoRA"))
+    assert lora.lines["gradients"] == pytest.approx(forecast.grads, rel=1e-6)
+    assert lora.layout["trainable"] == pytest.approx(job.trainable) and n > 0
+
+
+def test_cli_remedies_and_strategy_with_a_model(capsys):
+    model = ["plan", "--model", "lightning_ckpt.demos.factories:tiny_gpt", "--seq-len", "32", "--policies", "all",
+             "--capacity", "1GiB"]
+    assert main(model + ["--remedies", "--strategy", "fsdp", "--world-size", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["remedies"][0]["name"] == "none" and data["recommended"] == data["recommended_any"]
+    assert data["per_rank"]["all"]["lines"]["parameters"] == data["params"] // 2
