@@ -316,7 +316,7 @@ def anatomy_text(data: Dict[str, Any], top: int = 8) -> str:
             rows.append(f"    {name}: {first['hidden_tensors']:.1f}{each} = {parts}")
         rows.append(f"    outside the blocks: {format_bytes(data.get('outside_blocks', 0))}")
         for line in data.get("seed_arithmetic", []):
-            rows.append(f"  the seed's arithmetic for this run: {line}")
+            rows.append(f"  the arithmetic for this run: {line}")
     for f in data.get("findings", []):
         rows.append(f"  [{f['code']}] {f['text']}. {f['advice']}")
     return "\n".join(rows)

@@ -102,7 +102,8 @@ class Controller:
         if isinstance(self.cooldown, bool) or not isinstance(self.cooldown, int) or self.cooldown < 1:
             raise ValueError(f"cooldown={self.cooldown!r} must be an integer ≥ 1 (optimizer steps).")
         if not 0 <= self.level < len(self.ladder):
-            raise ValueError(f"level={self.level!r} is not a rung of the ladder {list(self.ladder)}.")
+            raise ValueError(f"Pass a level from 0 to {len(self.ladder) - 1}: level={self.level!r} is not a position "
+                             f"in the ladder {list(self.ladder)}.")
 
     @property
     def policy(self) -> str:
@@ -150,7 +151,8 @@ class Controller:
         """Rung ``failed`` ran out of memory and the plan was moved up (the caller set :attr:`level`): mark it with
         the next reading, and forget the pending reading of the last move (the step it would pair with is not)."""
         if not 0 <= failed < len(self.ladder):
-            raise ValueError(f"failed={failed!r} is not a rung of the ladder {list(self.ladder)}.")
+            raise ValueError(f"Pass a level from 0 to {len(self.ladder) - 1}: failed={failed!r} is not a position in "
+                             f"the ladder {list(self.ladder)}.")
         self.oom_marks[failed] = None
         self._last = None
 
@@ -221,7 +223,7 @@ class Controller:
         notes = []
         if list(state.get("ladder", [])) != list(self.ladder):
             notes.append(f"saved ladder {state.get('ladder')} differs from the configured {list(self.ladder)}; "
-                         "starting from the configured ladder's saved rung where it exists")
+                         "starting from the saved position in the configured ladder where it exists")
         level = int(state.get("level", 0))
         self.level = min(max(level, 0), len(self.ladder) - 1)
         self.calm_steps = int(state.get("calm_steps", 0))

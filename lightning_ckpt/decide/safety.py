@@ -61,7 +61,7 @@ def preflight(plan: CheckpointPlan, stateful: str = "warn", may_change: str = ""
         if may_change:
             raise ReplaySafetyError(_stateful_message(listed) + f" {may_change} may checkpoint any block during "
                                     "training, so every block is checked now. Pass stateful='skip' to keep those "
-                                    "blocks un-checkpointed at every rung, or remove the running statistics.")
+                                    "blocks un-checkpointed whichever policy runs, or remove the running statistics.")
         raise ReplaySafetyError(_stateful_message(listed) + " Pass stateful='skip' to keep those blocks "
                                 "un-checkpointed, or remove the running statistics.")
     if stateful == "skip":

@@ -128,8 +128,9 @@ class ShapeGate(ShapeReader):
         return self._unit or 1.0
 
     def report(self) -> Dict[str, Any]:
-        """Per bucket, the lowest rung the gate found and its predicted peak (the report's ``shape_gate``)."""
+        """Per bucket, the lowest policy the gate found and its predicted peak (the report's ``shape_gate``; files
+        written before this version name the policy ``rung``, and nothing in the package reads them back)."""
         ladder = self.engine.settings.ladder
         return {"threshold": self.threshold, "unit": self._unit,
-                "buckets": {str(b): {"rung": ladder[level], "predicted_peak": self.predicted[b]}
+                "buckets": {str(b): {"policy": ladder[level], "predicted_peak": self.predicted[b]}
                             for b, level in sorted(self.needed.items())}}

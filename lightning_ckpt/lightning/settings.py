@@ -116,7 +116,8 @@ class Settings:
                             "integers, or None.")
         for rung in self.ladder:
             if isinstance(parse_policy(rung), BudgetPolicy):
-                raise ValueError(f"ladder rung {rung!r}: a budget policy cannot be a rung; use fixed policies.")
+                raise ValueError(f"Use fixed policies in the ladder (e.g. ['none', 'every:2', 'all']): {rung!r} is a "
+                                 "budget, which the ladder cannot hold.")
         if len({parse_policy(r).spec for r in self.ladder}) != len(self.ladder) or len(self.ladder) < 2:
             raise ValueError(f"ladder={list(self.ladder)!r} needs at least two different policies, e.g. "
                              "['none', 'every:2', 'all'].")
@@ -146,8 +147,9 @@ class Settings:
         spec = parse_policy(self.policy).spec
         if spec not in self.ladder:
             raise ValueError(
-                f"policy={self.policy!r} is not a rung of ladder {list(self.ladder)}; with auto_threshold the policy "
-                "names the starting rung. Leave policy unset to start at the bottom, or add it to the ladder.")
+                f"Leave policy unset to start at the ladder's first policy, or add it to the ladder: "
+                f"policy={self.policy!r} is not one of ladder {list(self.ladder)} (with auto_threshold the policy "
+                "names where the auto-toggle starts).")
         return parse_policy(spec)
 
 

@@ -117,7 +117,7 @@ def test_fraction_without_capacity_says_how_to_fix():
         ({"threshold": GiB, "ladder": ["all"]}, "at least two"),
         ({"threshold": GiB, "release": 1.5}, "release"),
         ({"threshold": GiB, "cooldown": 0}, "cooldown"),
-        ({"threshold": GiB, "level": 3}, "not a rung"),
+        ({"threshold": GiB, "level": 3}, "level from 0 to 2: level=3 is not a position"),
     ],
 )
 def test_bad_controller_arguments(kwargs, match):
