@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from lightning_ckpt.core.wrap import apply_policy
-from lightning_ckpt.decide.budget import BudgetCalibration
-from lightning_ckpt.decide.pricing import PricingError, fake_state, price_shape
+from lightning_ckpt.decide.budget import BudgetCalibration, predict_peak
+from lightning_ckpt.decide.pricing import PricingError, fake_state, price_shape, price_shape_by_stages, trace_plans
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
 from lightning_ckpt.measure.meter import StepMeter
 
@@ -117,7 +117,8 @@ def test_a_step_that_cannot_run_on_fake_tensors_is_a_pricing_error_and_changes_n
     _loss(model)(_batch(16)).backward()
 
 
-def test_a_failed_pricing_leaves_no_hook_behind():
+@pytest.mark.parametrize("price, failing_call", [(price_shape_by_stages, 3), (price_shape, 1)])
+def test_a_failed_pricing_leaves_no_hook_behind(price, failing_call):
     from lightning_ckpt.core import replay
 
     model, plan = _gpt()
@@ -126,13 +127,69 @@ def test_a_failed_pricing_leaves_no_hook_behind():
 
     calls = []
 
-    def fails_in_the_third_step(batch):
+    def fails_in_a_step(batch):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == failing_call:
             raise RuntimeError("boom")
         return _loss(model)(batch)
 
     with pytest.raises(PricingError, match="boom"):
-        price_shape(model, plan, fails_in_the_third_step, _batch(16))
+        price(model, plan, fails_in_a_step, _batch(16))
     assert replay._REPLAY_HOOKS == before
     assert [len(b._forward_pre_hooks) + len(b._forward_hooks) for b in plan.blocks] == hooks
+
+
+def _llama():
+    from lightning_ckpt.demos.hf import tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama(n_layer=4, n_embd=64, n_head=4, n_positions=128, vocab_size=96)
+    return model, apply_policy(model, "none"), lambda b: model(input_ids=b["input_ids"], labels=b["labels"]).loss
+
+
+def _gpt_with_loss():
+    model, plan = _gpt()
+    return model, plan, _loss(model)
+
+
+def test_a_shape_is_priced_with_one_whole_model_step():
+    """The calibration's five whole-model stages cost 10-14 s for 24 Llama layers: one whole step, then one block
+    alone per class and mode."""
+    model, plan = _gpt()
+    calls = []
+
+    def counted(batch):
+        calls.append(1)
+        return _loss(model)(batch)
+
+    price_shape(model, plan, counted, _batch(16))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("build", [_gpt_with_loss, _llama], ids=["gpt", "hf-llama"])
+def test_the_fast_pricing_reads_the_bytes_of_the_stages(build):
+    """Per block the bytes of the calibration's stages run on every block; the bases fitted from one step, never
+    below a traced peak. The one difference: the Llama's rotary tables (shared by every block, made outside them)
+    are saved by whichever block first runs ``off``: the stages count them in the first ``off`` block of each
+    stage, a block alone counts them in its own interior, so every Llama block takes the larger interior."""
+    model, plan, loss = build()
+    batch = _batch(32)
+    slow = price_shape_by_stages(model, plan, loss, batch)
+    fast = price_shape(model, plan, loss, batch)
+    interiors = max(c.interior for c in slow.costs)
+    for f, s in zip(fast.costs, slow.costs):
+        assert {k: getattr(f, k) for k in FIELDS if k != "interior"} == {k: getattr(s, k) for k in FIELDS
+                                                                          if k != "interior"}
+        assert f.interior == interiors
+    if build is _gpt_with_loss:
+        assert [c.interior for c in slow.costs] == [c.interior for c in fast.costs]
+    n = plan.num_blocks
+    plans = [tuple(modes[(i + k) % 3] for i in range(n)) for k in range(3)
+             for modes in (("off", "recompute", "selective"), ("selective", "off", "recompute"))]
+    plans += [(mode,) * n for mode in ("off", "recompute", "selective")]
+    traced = trace_plans(model, plan, loss, batch, plans)
+    for modes, peak in zip(plans, traced):
+        assert peak <= predict_peak(fast.costs, modes, fast.base) <= round(peak * 1.06), modes
+    for modes, peak in fast.traced.items():  # the whole-model step's peak is the plan's traced peak
+        assert peak == trace_plans(model, plan, loss, batch, [modes])[0]
+    assert fast.traced.keys() <= slow.traced.keys() | {("selective",) * n}
