@@ -7,8 +7,10 @@ strong for a shorter one (recompute it did not need). :func:`shape_of` reads the
 - **token batches**: ``(samples, (sequence length,))`` from the token ids or attention mask
   (:mod:`lightning_ckpt.measure.tokens`); an **encoder–decoder** batch has two lengths, ``(source, target)``, when
   it carries ``decoder_input_ids`` / ``decoder_attention_mask``, or ``labels`` of another length than its input;
-- **batches without a sequence dimension** (images, waveforms): the spatial sizes of the first floating tensor of
-  three or more dimensions, ``[B, C, H, W]`` → ``(B, (H, W))``; ``()`` for flat features;
+- **batches without token ids**: a three-dimensional float tensor is a sequence of vectors, ``[B, T, D]`` →
+  ``(B, (T,))`` (a guess: the edge warns once and asks for ``shape_fn``, since ``[B, C, L]`` signals read the other
+  way); images and other tensors of four or more dimensions give their spatial sizes, ``[B, C, H, W]`` →
+  ``(B, (H, W))``; ``()`` for flat features;
 - ``shape_fn(batch)`` when given: ``(samples, length, ...)`` as integers, for any other batch.
 
 **Buckets** (:func:`bucket_of`): the samples and each length rounded up to the next power of two, at least
@@ -33,7 +35,7 @@ import torch
 
 from lightning_ckpt.measure.tokens import count_samples, sequence_length
 
-__all__ = ["MIN_LENGTH", "Shape", "bucket_of", "parse_shape", "resize_batch", "shape_of"]
+__all__ = ["MIN_LENGTH", "Shape", "ambiguous_length", "bucket_of", "parse_shape", "resize_batch", "shape_of"]
 
 MIN_LENGTH = 8
 """The smallest bucket of a length: shorter batches share one plan."""
@@ -121,9 +123,21 @@ def shape_of(batch: Any, shape_fn: Optional[Callable[[Any], Any]] = None) -> Sha
             lengths += (target,) if target is not None else ()
         return Shape(count_samples(batch), lengths)
     image = _first_image(batch)
+    if image is not None and image.dim() == 3:  # [samples, length, features]: a sequence of vectors
+        return Shape(int(image.shape[0]), (int(image.shape[1]),))
     if image is not None:
         return Shape(int(image.shape[0]), tuple(int(n) for n in image.shape[2:]))
     return Shape(count_samples(batch))
+
+
+def ambiguous_length(batch: Any) -> Optional[str]:
+    """The shape of the float tensor a batch's length is read from when that reading is a guess (no token ids, a
+    three-dimensional float tensor: ``[samples, length, features]`` or ``[samples, channels, length]``), else
+    ``None``."""
+    if sequence_length(batch) is not None:
+        return None
+    image = _first_image(batch)
+    return f"[{', '.join(str(n) for n in image.shape)}]" if image is not None and image.dim() == 3 else None
 
 
 def _round_up(n: int, floor: int = 1) -> int:

@@ -46,7 +46,7 @@ from lightning_ckpt.decide.anatomy import config_int
 from lightning_ckpt.decide.budget import BlockCost
 from lightning_ckpt.decide.pricing import PricingError, ShapeCosts, price_shape, trace_plans
 from lightning_ckpt.decide.shape_plans import BucketPlan, ShapePlanner
-from lightning_ckpt.decide.shapes import Shape, bucket_of, resize_batch, shape_of
+from lightning_ckpt.decide.shapes import Shape, ambiguous_length, bucket_of, resize_batch, shape_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -94,21 +94,37 @@ class ShapeReader:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._source: Optional[Tuple[Any, Shape]] = None  # a real batch and its shape, resized to price a shape
+        # per number of lengths (an encoder-decoder's batches may read as one or two): this rank's longest batch and
+        # its shape, resized to price a shape
+        self._sources: Dict[int, Tuple[Any, Shape]] = {}
+        self._warned_ambiguous = False
 
     def read(self, trainer: "pl.Trainer", batch: Any, agree: bool = True) -> Tuple[Shape, Shape]:
         """The batch's shape on this rank and the step's (with ``agree``, the maximum over the ranks: one all-reduce
         under several processes); keeps this rank's longest batch to resize."""
-        local = shape_of(batch, self.engine.settings.shape_fn)
-        if self._source is None or local.tokens > self._source[1].tokens:
-            self._source = (batch, local)  # repetition fills the rest when it is resized
+        shape_fn = self.engine.settings.shape_fn
+        local = shape_of(batch, shape_fn)
+        if shape_fn is None and not self._warned_ambiguous and ambiguous_length(batch):
+            self._warned_ambiguous = True
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(f"lightning_ckpt: pass shape_fn (e.g. shape_fn=lambda batch: batch[0].shape[:2]) to say "
+                           f"which dimension of your batch is its length: it has no token ids, so its float tensor "
+                           f"{ambiguous_length(batch)} is read as [samples, length, features], length "
+                           f"{local.lengths[0] if local.lengths else None}.")
+        arity = len(local.lengths)
+        if arity not in self._sources or local.tokens > self._sources[arity][1].tokens:
+            self._sources[arity] = (batch, local)  # repetition fills the rest when it is resized
         return local, self._agree(trainer, local) if agree else local
 
     def _fake_args(self, shape: Shape) -> tuple:
         """What a step on fake tensors at ``shape`` runs: the module, its plan, the loss, a batch of that shape, and
         the precision's context."""
         module = self.engine.module
-        batch, source = self._source
+        source_of = self._sources.get(len(shape.lengths))
+        if source_of is None:
+            raise PricingError(f"no batch with {len(shape.lengths)} length(s) seen yet to make one of shape {shape}")
+        batch, source = source_of
 
         def loss_fn(b: Any) -> torch.Tensor:
             with _silenced_logging(module):
@@ -146,7 +162,7 @@ class ShapeReader:
         self.engine.ranks.setup(trainer)
 
     def close(self) -> None:
-        self._source = None
+        self._sources = {}
 
 
 class ShapeSteps(ShapeReader):

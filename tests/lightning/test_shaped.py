@@ -34,7 +34,8 @@ class Steps(Callback):
         (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
         result = cb.last_result
         measured = result.ledger.activations if result is not None and result.ledger is not None else None
-        self.rows.append((batch["input_ids"].shape[1], cb.plan.modes, measured))
+        length = batch["input_ids"].shape[1] if isinstance(batch, dict) else batch[0].shape[1]
+        self.rows.append((length, cb.plan.modes, measured))
 
 
 def _fit(tmp_path, model, batches, policy, steps=None, callbacks=(), **kwargs):
@@ -342,3 +343,46 @@ def test_lengths_that_vary_during_the_calibration_neither_crash_nor_stall_nor_cr
     assert len(measured) >= len(lengths) // accumulate // 2 and max(measured) <= budget
     # the plan for the calibration's own length trains on: the steps after it read within the budget too
     assert cb.shape_plans and all(p.predicted_peak <= budget for p in cb.shape_plans.values())
+
+
+def test_an_encoder_decoder_batch_whose_labels_are_as_long_as_its_inputs_is_planned_too(tmp_path):
+    """A batch whose labels are as long as its input ids reads as one length; the old code resized the stored
+    two-length batch to it and crashed ("cannot resize a batch of shape 4 x 32 x 16 to 4 x 32")."""
+    pairs = [(32, 16)] * 12 + [(32, 32), (64, 64), (32, 16)]
+    batches = [_seq2seq(s, t, seed=i) for i, (s, t) in enumerate(pairs)]
+    cb, rows = _fit(tmp_path, _t5_module(), batches, "budget:3MiB")
+    plans = cb.shape_plans
+    assert {Shape(4, (32, 16)), Shape(4, (32,)), Shape(4, (64,))} <= set(plans)
+    assert all(p.error is None or abs(p.error) <= 0.02 for p in plans.values()), plans
+    assert all(peak is None or peak <= 3 * MiB for _, _, peak in rows)
+
+
+class FeatureSequenceModule(GPTLightningModule):
+    """The demo GPT fed float features ``[B, T, D]`` instead of token ids (a projection in place of the embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layer=4, n_embd=64, n_head=4, block_size=512, vocab_size=VOCAB, dropout=0.0)
+        self.project = torch.nn.Linear(16, 64)
+
+    def training_step(self, batch, batch_idx):
+        features, targets = batch
+        x = self.project(features)
+        for block in self.model.transformer.h:
+            x = block(x)
+        return torch.nn.functional.mse_loss(x.mean(-1), targets)
+
+
+def test_a_float_sequence_batch_is_read_by_its_length_with_one_warning_naming_shape_fn(tmp_path):
+    """``[B, T, D]`` features: the old code read D (16) as the length, so 24- and 64-step batches shared one bucket
+    and the long one ran the short one's plan far over the budget, without a word."""
+    def batch(steps: int, seed: int) -> tuple:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(4, steps, 16, generator=g), torch.randn(4, steps, generator=g)
+
+    seed_everything(0)
+    model = FeatureSequenceModule()
+    with pytest.warns(UserWarning, match=r"pass shape_fn .* its float tensor \[4, 24, 16\] is read as \[samples, "
+                                         r"length, features\], length 24"):
+        cb, rows = _fit(tmp_path, model, [batch(24, i) for i in range(12)] + [batch(64, 99)] * 2, "budget:2MiB")
+    assert Shape(4, (64,)) in cb.shape_plans and cb.calibration.done
+    assert all(peak is None or peak <= 2 * MiB for _, _, peak in rows)
