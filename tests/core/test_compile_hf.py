@@ -77,6 +77,7 @@ def _assert_grads_equal(model, grads):
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # four whole-model compiles (~30 s); the per-block test below catches the same break in seconds
 def test_checkpointed_llama_blocks_compile_without_a_break_and_recompute_in_the_compiled_backward(reference):
     plain_breaks, plain, _, _ = _compiled_step(reference, "none")
     extra = {}
