@@ -280,6 +280,8 @@ def _remedies_table(rows, capacity: Optional[int]) -> str:
         out.append(f"{row.name:<48}{state / scale:>7.2f}{row.lines['activations'] / scale:>7.2f}{cells}  {verdict}")
         changes = "; ".join(row.changes) or "nothing in the training"
         out.append(f"{'':<4}cost: {_cost_text(row)}; changes: {changes}")
+        if row.how:
+            out.append(f"{'':<4}how: {row.how}")
     keep, any_ = recommend(rows)
     if capacity is not None:
         out.append(f"try first (fits, training unchanged): {keep.name if keep else 'none of these rows'}")

@@ -103,6 +103,7 @@ class Layout:
         zero_grad_before_forward: the previous step's gradients are freed before the first micro-batch's forward.
         split_batch: the micro-batch is divided among the ``world_size`` ranks (the global batch kept).
         changes: what the remedy changes in the training ((): nothing).
+        how: where to switch it on (a class, an argument, a Trainer strategy).
     """
 
     name: str
@@ -118,6 +119,7 @@ class Layout:
     zero_grad_before_forward: bool = False
     split_batch: bool = False
     changes: Tuple[str, ...] = ()
+    how: str = ""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -138,6 +140,7 @@ class Remedy:
         fits: ``peak <= capacity`` (``None`` without a capacity).
         cost: ``recompute``, ``host_device_bytes``, ``communicated_bytes``, ``gpus_added``, ``micro_batches``.
         changes_training: whether the training itself changes; ``changes`` says how.
+        how: where to switch it on.
     """
 
     name: str
@@ -149,6 +152,7 @@ class Remedy:
     changes_training: bool
     changes: List[str] = field(default_factory=list)
     layout: Dict[str, object] = field(default_factory=dict)
+    how: str = ""
 
     def as_json(self) -> Dict[str, object]:
         return asdict(self)
@@ -290,7 +294,7 @@ def price(job: "Job | ForecastInputs", layout: Layout) -> Remedy:
     fits = None if job.capacity is None else peak <= job.capacity
     cost = _cost(job, layout, lines, grads, params, act_full)
     return Remedy(layout.name, lines, phases, peak, fits, cost, bool(layout.changes), list(layout.changes),
-                  asdict(layout))
+                  asdict(layout), _how(layout))
 
 
 def _in_flight(layout: Layout, job: Job, t: float) -> Dict[str, float]:
@@ -367,6 +371,19 @@ def _cost(job: Job, layout: Layout, lines: Dict[str, int], grads: float, params:
             "communicated_bytes": round(communicated), "gpus_added": N - 1, "micro_batches": layout.accumulation}
 
 
+def _how(layout: Layout) -> str:
+    """Where to switch the row on: the remedy's own ``how``, the checkpointing policy, zeroing gradients early."""
+    parts = [layout.how] if layout.how else []
+    if layout.policy != "none":
+        parts.append(f"ActivationCheckpointing(policy={layout.policy!r})")
+    if layout.zero_grad_before_forward:
+        parts.append("ActivationCheckpointing(zero_grad_before_forward=True)")
+    if layout.accumulation > 1:
+        parts.append(f"Trainer(accumulate_grad_batches={layout.accumulation}) with the micro-batch ÷ "
+                     f"{layout.accumulation}")
+    return "; ".join(parts)
+
+
 def _single_remedies(job: Job, lora_rank: int, trainable: Optional[float],
                      world_sizes: Sequence[int]) -> List[Layout]:
     rows: List[Layout] = []
@@ -376,32 +393,42 @@ def _single_remedies(job: Job, lora_rank: int, trainable: Optional[float],
     per_value = job.optimizer / (t * job.moments) if job.moments and t else 0.0
     if per_value > 2.5:  # fp32 moments (a step counter or two per tensor aside)
         rows.append(Layout("bf16 moments", moment_bytes=job.optimizer / t * 2 / per_value,
-                           changes=("numerics: moments in bf16",)))
+                           changes=("numerics: moments in bf16",),
+                           how="an optimizer keeping its moments in bf16 (torch's AdamW keeps them in the dtype of "
+                               "the weights it steps)"))
     if job.master_bytes:
         rows.append(Layout("no master copy", master=False,
-                           changes=(f"numerics: updates applied to the {job.param_dtype} weights",)))
+                           changes=(f"numerics: updates applied to the {job.param_dtype} weights",),
+                           how="Trainer(precision='bf16-true') without a float32 copy of the weights"))
     if job.optimizer_name in ("adam", "adamw"):
         rows.append(Layout("8-bit optimizer state", moment_bytes=2 * BLOCKWISE_8BIT,
-                           changes=("numerics: blockwise 8-bit moments",)))
+                           changes=("numerics: blockwise 8-bit moments",),
+                           how="bitsandbytes.optim.AdamW8bit or torchao.optim.AdamW8bit"))
         rows.append(Layout("4-bit optimizer state", moment_bytes=2 * BLOCKWISE_4BIT,
-                           changes=("numerics: blockwise 4-bit moments",)))
+                           changes=("numerics: blockwise 4-bit moments",), how="torchao.optim.AdamW4bit"))
     if job.optimizer_name != "adafactor":
         per_param = adafactor_values(job.params, job.layers, job.hidden) * 4 / job.params
         rows.append(Layout("Adafactor (factored)", moment_bytes=per_param,
-                           changes=("numerics: another optimizer (factored second moment, no first moment)",)))
+                           changes=("numerics: another optimizer (factored second moment, no first moment)",),
+                           how="torch.optim.Adafactor"))
     if trainable is None and job.trainable < 1:
         trainable = job.trainable  # the model already trains a share of itself (adapters): price that share
     share = trainable if trainable is not None else lora_fraction(lora_rank, job.layers, job.hidden, job.params)
     what = f"trainable parameters: {share:.2%} (adapters only)"
     label = f"rank {lora_rank}" if trainable is None else f"{share:.2%} trainable"
-    rows.append(Layout(f"LoRA {label}", trainable=share, changes=(what,)))
+    rows.append(Layout(f"LoRA {label}", trainable=share, changes=(what,),
+                       how=f"peft.get_peft_model(model, LoraConfig(r={lora_rank}, target_modules='all-linear'))"))
     rows.append(Layout(f"QLoRA {label}", trainable=share, base_bytes=NF4_BYTES,
-                       changes=(what, "numerics: 4-bit (NF4) base weights")))
+                       changes=(what, "numerics: 4-bit (NF4) base weights"),
+                       how="the model loaded with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'), "
+                           f"then LoraConfig(r={lora_rank})"))
     for strategy in ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3"):
         for n in world_sizes:
             rows.append(_sharded(job, strategy, n))
-    rows.append(Layout("optimizer-state offload", strategy="deepspeed_stage_2_offload"))
-    rows.append(Layout("activation offload", activation_offload=True))
+    rows.append(Layout("optimizer-state offload", strategy="deepspeed_stage_2_offload",
+                       how="Trainer(strategy='deepspeed_stage_2_offload'), or torchao's CPUOffloadOptimizer"))
+    rows.append(Layout("activation offload", activation_offload=True,
+                       how="ActivationCheckpointing(policy='offload')"))
     rows.append(Layout("zero gradients before forward", zero_grad_before_forward=True))
     return rows
 
@@ -412,8 +439,11 @@ def _sharded(job: Job, strategy: str, n: int) -> Layout:
     split = job.micro_batch % n == 0
     changes = () if split else (f"effective batch ×{n} (micro-batch {job.micro_batch} on every GPU)",)
     per_rank = job.micro_batch // n if split else job.micro_batch
+    how = {"fsdp": "Trainer(strategy=ModelParallelStrategy(), devices={n}) with fully_shard on every block",
+           "deepspeed_stage_2": "Trainer(strategy='deepspeed_stage_2', devices={n})",
+           "deepspeed_stage_3": "Trainer(strategy='deepspeed_stage_3', devices={n})"}[strategy].format(n=n)
     return Layout(f"{name} × {n} GPUs (micro-batch {per_rank} each)", strategy=strategy, world_size=n,
-                  split_batch=split, changes=changes)
+                  split_batch=split, changes=changes, how=how)
 
 
 def remedies(job: "Job | ForecastInputs", lora_rank: int = 16, trainable: Optional[float] = None,

@@ -146,6 +146,8 @@ def test_cli_remedies_json_and_table(capsys):
     out = capsys.readouterr().out
     assert "try first (fits, training unchanged): " in out and "cheapest that fits at all: " in out
     assert "zero gradients before forward" in out
+    assert "how: ActivationCheckpointing(zero_grad_before_forward=True)" in out  # the callback's option
+    assert "how: bitsandbytes.optim.AdamW8bit or torchao.optim.AdamW8bit" in out
 
 
 def test_cli_strategy_per_gpu(capsys):
