@@ -215,3 +215,71 @@ def test_cli_remedies_and_strategy_with_a_model(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["remedies"][0]["name"] == "none" and data["recommended"] == data["recommended_any"]
     assert data["per_rank"]["all"]["lines"]["parameters"] == data["params"] // 2
+
+
+_FSDP2_RANKS = r'''
+import json, os, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run(rank, world, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from lightning_ckpt.demos.factories import tiny_gpt
+    from lightning_ckpt.measure.ledger import model_state_bytes
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    from torch.distributed.fsdp import fully_shard
+    for block in model.transformer.h:
+        fully_shard(block)
+    wrapped = fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters())
+    idx = torch.randint(0, 96, (2, 32))
+    wrapped(idx, idx)[1].backward()
+    opt.step()
+    state = model_state_bytes(model, opt)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(dict(params=state.params, grads=state.grads, optimizer=state.optimizer), f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(int(sys.argv[1]), sys.argv[2]), nprocs=int(sys.argv[1]))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_on_gloo_holds_per_rank_what_the_plan_says(tmp_path, world):
+    """fully_shard on every block and the root, AdamW, one step on ``world`` gloo processes: each rank's parameters,
+    gradients and optimizer state (the ledger's walk: DTensors as their local shards) within 2 % of the plan's."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from lightning_ckpt.forecast.remedies import Job
+    from lightning_ckpt.forecast.trace import forecast_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "ranks.py"
+    script.write_text(_FSDP2_RANKS)
+    env = {**os.environ, "PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script), str(world), str(tmp_path / "rank")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from lightning_ckpt.demos.factories import tiny_gpt
+
+    job = Job.from_forecast(forecast_model(tiny_gpt, micro_batch=2, seq_len=32, policies=("none",),
+                                           optimizer="adamw"))
+    plan = price(job, Layout("fsdp", strategy="fsdp", world_size=world)).lines
+    for rank in range(world):
+        got = json.loads((tmp_path / f"rank.{rank}").read_text())
+        assert got["params"] == pytest.approx(plan["parameters"], rel=0.02)
+        assert got["grads"] == pytest.approx(plan["gradients"], rel=0.02)
+        assert got["optimizer"] == pytest.approx(plan["optimizer state"] + plan["master copy"], rel=0.02)
