@@ -237,7 +237,8 @@ class Job:
         n = forecast.num_params
         trainable = forecast.grads / forecast.params if forecast.params else 1.0  # a gradient has its weight's dtype
         t = trainable * n
-        act_bytes = 2 if str(forecast.precision).startswith(("bf16", "16")) else 4
+        # activations run in autocast's dtype under a mixed precision, else in the weights' own
+        act_bytes = 2 if str(forecast.precision).startswith(("bf16", "16")) else max(1, round(forecast.params / n))
         tokens = inputs["micro_batch"] * inputs["seq_len"]
         hidden = max(1, round(forecast.hidden_tensor / (tokens * act_bytes)))
         opt = str(inputs.get("optimizer") or "adamw").lower()

@@ -283,3 +283,16 @@ def test_fsdp2_on_gloo_holds_per_rank_what_the_plan_says(tmp_path, world):
         assert got["params"] == pytest.approx(plan["parameters"], rel=0.02)
         assert got["grads"] == pytest.approx(plan["gradients"], rel=0.02)
         assert got["optimizer"] == pytest.approx(plan["optimizer state"] + plan["master copy"], rel=0.02)
+
+
+def test_a_traced_models_width_is_read_in_the_dtype_its_activations_run_in():
+    """--param-dtype bf16 without autocast: the activations are bf16, so one hidden-width tensor of 2 x 32 tokens
+    is 2 bytes a value (the width was read as half the model's with 4)."""
+    from lightning_ckpt.demos.factories import tiny_gpt
+    from lightning_ckpt.forecast.remedies import Job
+    from lightning_ckpt.forecast.trace import forecast_model
+
+    for dtype in (None, "bf16"):
+        job = Job.from_forecast(forecast_model(tiny_gpt, micro_batch=2, seq_len=32, policies=("none",),
+                                               param_dtype=dtype))
+        assert job.hidden == tiny_gpt().config.n_embd
