@@ -107,7 +107,7 @@ def add_parser(sub) -> None:
     ranks.add_argument("--remedies", action="store_true",
                        help="price every remedy side by side (checkpointing, accumulation, smaller optimizer states, "
                             "LoRA/QLoRA, sharding, offload, zeroing gradients before the forward) and recommend two")
-    ranks.add_argument("--lora-rank", type=int, default=16, help="--remedies: the LoRA/QLoRA rows' rank (default 16)")
+    ranks.add_argument("--lora-rank", type=int, default=None, help="--remedies: the LoRA/QLoRA rows' rank (default 16)")
     ranks.add_argument("--trainable", type=float, default=None,
                        help="--remedies: the LoRA/QLoRA rows' trainable share, e.g. 0.01 (default: adapters of "
                             "--lora-rank on every block's four matrices)")
@@ -199,6 +199,12 @@ def _check_ranks(args) -> None:
     if args.world_size is not None and args.strategy is None and not args.remedies:
         raise ValueError(f"--world-size={args.world_size!r} needs a layout: pass --strategy (e.g. fsdp, ddp) or "
                          "--remedies.")
+    for name in ("lora_rank", "trainable"):
+        if getattr(args, name) is not None and not args.remedies:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)!r} prices the LoRA rows of --remedies; "
+                             "add --remedies or drop it.")
+    if args.lora_rank is None:
+        args.lora_rank = 16
     if args.lora_rank < 1:
         raise ValueError(f"--lora-rank={args.lora_rank!r} must be a positive integer, e.g. 16.")
     if args.trainable is not None and not 0 < args.trainable < 1:

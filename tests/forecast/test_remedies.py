@@ -163,6 +163,8 @@ def test_cli_strategy_per_gpu(capsys):
     (["--world-size", "4"], "pass --strategy"),
     (["--remedies", "--trainable", "2"], "--trainable=2.0"),
     (["--remedies", "--lora-rank", "0"], "--lora-rank=0"),
+    (["--lora-rank", "8"], "--lora-rank=8 prices the LoRA rows of --remedies; add --remedies"),
+    (["--trainable", "0.01"], "--trainable=0.01 prices the LoRA rows"),
 ])
 def test_bad_rank_input_is_refused_naming_the_value(extra, words, capsys):
     assert main(SEED + extra) == 2
