@@ -17,6 +17,12 @@ instead of the fused kernel's q, k, v and logsumexp (:func:`math_attention_extra
 ``group:K``/``sqrt``    ⌈L/K⌉·B + K·A
 ======================  ============================================================
 
+Phases, in Lightning's order: the forward holds the model state with the previous step's gradients (Lightning
+frees them between ``training_step`` and ``backward``) plus the activations; backward starts without gradients and
+builds them while it frees activations, so its peak is the larger of all activations plus the first gradients built
+(the head and embeddings, and the last block's: :func:`backward_first_fraction`) and every gradient at its end; the
+optimizer step holds the model state and its temporaries.
+
 ``every:N`` checkpoints blocks 0, N, 2N, ... Backward runs from the last block, so when a checkpointed block
 replays its interior, the blocks after it are already freed: the peak is the end of the forward, or the replay of
 the last checkpointed block with everything before it (more only when that block is the last one).
