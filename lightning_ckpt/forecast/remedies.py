@@ -25,8 +25,10 @@ Per rank (:data:`STRATEGIES`; N ranks, T trainable parameters, ring collectives 
 
 DeepSpeed's ``estimate_zero2_model_states_mem_needs`` (``4·P + 16·P/N``) and
 ``estimate_zero3_model_states_mem_needs`` (``4·largest_layer + 18·P/N``) are the reference (tests/forecast/
-test_remedies.py), for bf16 weights and gradients, fp32 moments and an fp32 master copy. Stage 3 here is the
-latter with one block as the largest layer, plus the bf16 gradient partition (2·P/N, the flat buffer the
+test_remedies.py), for bf16 weights and gradients, fp32 moments and an fp32 master copy; their offload forms
+(2·P; 4·largest_layer) are matched by ``_offload``. Stage 3 here is the latter with one block as the largest layer
+(the running block and the prefetched one gathered; DeepSpeed's largest layer is one module's own parameters, so
+the plan is higher by 4·(block − that layer)), plus the bf16 gradient partition (2·P/N, the flat buffer the
 gradients are reduced into before the fp32 copy, which the estimator leaves out) and, in backward, one reduce
 bucket. Stage 2 here is the former less 2·P − 2·P/N: it holds the bf16 gradient partition and one reduce bucket
 where the estimator counts every bf16 gradient (``2·P``); the bucketed reduction (``contiguous_gradients``,
@@ -505,12 +507,15 @@ def recommend(rows: Sequence[Remedy]) -> Tuple[Optional[Remedy], Optional[Remedy
             min(fitting, key=Remedy.price_key) if fitting else None)
 
 
-def deepspeed_zero2_reference(params: float, gpus: int) -> int:
-    """DeepSpeed's ``estimate_zero2_model_states_mem_needs(..., cpu_offload=False)`` GPU bytes: 4·P + 16·P/N."""
-    return 4 * int(params) + int(16 * int(params) / gpus)
+def deepspeed_zero2_reference(params: float, gpus: int, cpu_offload: bool = False) -> int:
+    """DeepSpeed's ``estimate_zero2_model_states_mem_needs`` GPU bytes: 4·P + 16·P/N, or 2·P with ``cpu_offload``."""
+    p = int(params)
+    return 2 * p if cpu_offload else 4 * p + int(16 * p / gpus)
 
 
-def deepspeed_zero3_reference(params: float, largest_layer: float, gpus: int) -> int:
-    """DeepSpeed's ``estimate_zero3_model_states_mem_needs(..., cpu_offload=False)`` GPU bytes:
-    4·largest_layer + 18·P/N."""
-    return 4 * int(largest_layer) + int(18 * int(params) / gpus)
+def deepspeed_zero3_reference(params: float, largest_layer: float, gpus: int, cpu_offload: bool = False) -> int:
+    """DeepSpeed's ``estimate_zero3_model_states_mem_needs`` GPU bytes: 4·largest_layer + 18·P/N, or
+    4·largest_layer with ``cpu_offload`` (optimizer and parameters on the host, as Lightning's
+    ``deepspeed_stage_3_offload``)."""
+    largest = 4 * int(largest_layer)
+    return largest if cpu_offload else largest + int(18 * int(params) / gpus)

@@ -119,6 +119,13 @@ def test_zero2_and_zero3_against_deepspeeds_published_estimators(gpus):
     assert in_flight_forward == 4 * block
     assert _state(z3) + in_flight_forward - 2 * P / gpus == pytest.approx(
         deepspeed_zero3_reference(P, block, gpus), abs=8)
+    # with offload (Lightning's deepspeed_stage_2_offload / _3_offload): the bf16 weights, or the gathered blocks
+    z2o = price(inputs, Layout("z2o", strategy="deepspeed_stage_2_offload", world_size=gpus))
+    assert _state(z2o) == deepspeed_zero2_reference(P, gpus, cpu_offload=True)
+    z3o = price(inputs, Layout("z3o", strategy="deepspeed_stage_3_offload", world_size=gpus))
+    assert _state(z3o) == 0 and z3o.lines["host"] > 0
+    assert z3o.phases["forward"] - z3o.lines["activations"] == deepspeed_zero3_reference(P, block, gpus,
+                                                                                        cpu_offload=True)
 
 
 def test_fsdp_and_ddp_per_gpu():
