@@ -3,9 +3,10 @@
 A per-shape plan (:mod:`lightning_ckpt.decide.shapes`) must fit *before* the first batch of a new, longer shape
 runs: afterwards is the out-of-memory error. :func:`price_shape` measures what the budget's solver needs — per block
 the bytes kept ``off``, the boundary, what ``selective`` keeps, what each replay creates, and the bytes outside the
-blocks (:class:`~lightning_ckpt.decide.budget.BlockCost`, ``base``) — for a batch of that shape, with the same
-stages as the budget's calibration (:class:`~lightning_ckpt.decide.budget.BudgetCalibration`, bytes only), on the
-model being trained, without allocating it:
+blocks (:class:`~lightning_ckpt.decide.budget.BlockCost`, ``base``) — for a batch of that shape, with the budget
+calibration's hooks (:class:`~lightning_ckpt.decide.budget.BudgetCalibration`, bytes only) on one whole-model step
+and on one block alone per class and mode (:func:`price_shape`; the calibration's five whole-model stages are
+:func:`price_shape_by_stages`), on the model being trained, without allocating it:
 
 - every parameter and buffer is swapped for a *fake tensor* of the same shape, dtype and device (no storage) for
   the duration, tied weights staying tied; the batch is a real one of the target shape
@@ -292,12 +293,13 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
                 context: Callable[[], Any] = contextlib.nullcontext) -> ShapeCosts:
     """Measure per-block bytes for ``batch`` (already of the shape to price) on fake tensors.
 
-    One whole-model step, every block ``recompute`` (the calibration's first stage): each block's boundary, what it
-    keeps and what its replay creates, the forward's and the backward's peaks apart (the bases), and the input of
-    one block per class. Then that block alone, once per other mode (``off``: its interior; ``selective``: what it
-    keeps and replays); the other blocks of its class are alike and take its bytes. A whole-model fake step costs
-    about a second for 24 Llama layers on a CPU, a block alone a few hundredths; the calibration's five stages
-    (:func:`price_shape_by_stages`) took 10-14 s.
+    One whole-model step, every block ``off`` but the last, which runs the last of ``modes``: each block's input
+    and interior where it runs, the peak after the blocks' forward and the backward's peak apart (the bases: what the
+    blocks do not explain, with a replay in the backward), and the input of one block per class. Then that block
+    alone in each mode (and ``off`` where the whole step did not run it so): what it keeps and what its replay
+    creates; the other blocks of its class are alike and take its bytes. A whole-model fake step is about a trace's
+    cost (Python dispatch per operator, growing with the layers), a block alone a few hundredths of a second; the
+    calibration's five stages (:func:`price_shape_by_stages`) cost five whole-model steps.
 
     Args:
         model: the model that holds ``plan``'s blocks (its parameters and buffers are swapped for fakes while
@@ -318,8 +320,8 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
     """
     measured = tuple(m for m in modes if m in ("recompute", "selective"))
     n = plan.num_blocks
-    whole = measured[-1] if measured else "recompute"
-    every = (whole,) * n
+    # every block off but the last, in the last mode: the blocks' interiors where they run, and replays in backward
+    every = ("off",) * (n - 1) + (measured[-1] if measured else "off",)
     with _fake_session(model, plan, loss_fn, batch, context) as session:
         calibration = BudgetCalibration(plan, session.meter, 0, apply=plan.set_modes, modes=measured, times=False,
                                         choose=False)
@@ -327,15 +329,16 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
         capture = [plan.blocks[i].register_forward_pre_hook(_capturer(inputs, i), with_kwargs=True)
                    for i in _one_per_class(plan.blocks)]
         try:
-            calibration.stages = [(whole, every, "bytes")]  # the whole-model step
+            calibration.stages = [("off", every, "bytes")]  # the whole-model step
             calibration.begin_step()
             forward, backward, peak = session.split_step(plan.blocks[-1])
             for handle in capture:
                 handle.remove()
-            calibration.stage = 0  # its stages are this function's: the step is recorded below, not as a stage
-            alone = [(mode, i) for mode in ("off", *[m for m in measured if m != whole]) for i in inputs]
-            for mode, i in alone:  # each a stage of its own: the calibration's hooks measure the block as they do
-                calibration.stages.append((mode, tuple(mode if j == i else "off" for j in range(n)), "bytes"))
+            # then each class's block alone in each mode (off where the whole step did not run it off), each a stage
+            # of its own so that the calibration's hooks measure it as they measure a stage
+            alone = [(mode, i) for i in inputs for mode in ("off",) * (every[i] != "off") + measured]
+            calibration.stages += [(mode, tuple(mode if j == i else "off" for j in range(n)), "bytes")
+                                   for mode, i in alone]
             calibration.stage = 1
             for _, i in alone:
                 calibration.begin_step()
@@ -346,7 +349,10 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
                 handle.remove()
             calibration.close()
         costs = _alike(plan.blocks, calibration.costs())
-        return ShapeCosts(tuple(costs), _bases(costs, every, forward, backward), {every: peak})
+        base = _bases(costs, every, forward, backward)  # with the interiors as the step measured them
+        shared = _shared_bytes(plan.blocks, costs, every)
+        return ShapeCosts(tuple(_largest_interiors(plan.blocks, costs)), (base[0] + shared, base[1] + shared),
+                          {every: peak})
 
 
 def _one_per_class(blocks: Sequence[nn.Module]) -> List[int]:
@@ -374,8 +380,32 @@ def _alike(blocks: Sequence[nn.Module], costs: Sequence[BlockCost]) -> List[Bloc
                           None)
             if getattr(cost, name) is None and source is not None:
                 fields[name] = getattr(source, name) - (source.boundary - cost.boundary) * (name == "selective_kept")
+                if name == "selective_kept":  # its time (0 here: bytes only) makes the mode an option
+                    fields["selective_s"] = source.selective_s
         out.append(dataclasses.replace(cost, **fields) if fields else cost)
     return out
+
+
+def _largest_interiors(blocks: Sequence[nn.Module], costs: Sequence[BlockCost]) -> List[BlockCost]:
+    """Each block priced with the largest interior of its class: tensors made outside the blocks and saved inside
+    them (a Llama's rotary tables) are counted by whichever block first runs ``off``, which depends on the plan; so
+    every block carries them (a few KiB high), never none (a prediction below the step)."""
+    largest: Dict[type, int] = {}
+    for block, cost in zip(blocks, costs):
+        largest[type(block)] = max(largest.get(type(block), 0), cost.interior)
+    return [dataclasses.replace(c, interior=largest[type(b)]) for b, c in zip(blocks, costs)]
+
+
+def _shared_bytes(blocks: Sequence[nn.Module], costs: Sequence[BlockCost], plan: Sequence[str]) -> int:
+    """Bytes made outside the blocks and saved inside them (a Llama's rotary tables): the first ``off`` block of its
+    class measured them in its interior, the next ones did not. A plan with no block ``off`` keeps them too (saved
+    by a ``selective`` block, or alive), so the bases carry them, as every block does (:func:`_largest_interiors`):
+    counted twice where a block is ``off``, never missing."""
+    interiors: Dict[type, List[int]] = {}
+    for block, cost, mode in zip(blocks, costs, plan):
+        if mode == "off":
+            interiors.setdefault(type(block), []).append(cost.interior)
+    return sum(max(v) - min(v) for v in interiors.values())
 
 
 def _bases(costs: Sequence[BlockCost], plan: Sequence[str], forward: int, backward: int) -> Tuple[int, int]:
