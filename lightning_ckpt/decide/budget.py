@@ -527,6 +527,11 @@ class BudgetCalibration:
         return self.stage > len(self.stages)
 
     @property
+    def verifications(self) -> int:
+        """Steps the chosen plan (and its corrections) took to be verified."""
+        return self._verifications
+
+    @property
     def target(self) -> int:
         """The activation peak a plan must be predicted within to run: the budget less the margin (bytes)."""
         return int(self.budget * (1 - self.margin))

@@ -37,6 +37,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from lightning_ckpt.core.policy import compiler_modes
 from lightning_ckpt.core.units import format_bytes
 from lightning_ckpt.decide.budget import (
+    BUDGET_MARGIN,
     BlockCost,
     BudgetPlan,
     mode_mix,
@@ -107,8 +108,9 @@ class ShapePlanner:
     """
 
     def __init__(self, budget: int, modes: Sequence[str], price: Callable[[Shape], ShapeCosts],
-                 trace: Optional[Callable[[Shape, Sequence[Tuple[str, ...]]], List[int]]] = None) -> None:
-        self.budget = budget
+                 trace: Optional[Callable[[Shape, Sequence[Tuple[str, ...]]], List[int]]] = None,
+                 margin: float = BUDGET_MARGIN) -> None:
+        self.budget, self.margin = budget, margin
         self.modes = tuple(dict.fromkeys(("off", *modes)))
         self._price, self._trace = price, trace
         self._priced: Dict[Shape, ShapeCosts] = {}
@@ -142,7 +144,7 @@ class ShapePlanner:
         self._steps_before = steps
         if chosen is not None and bucket_of(shape) == shape:
             peak = exact.get(tuple(chosen.modes), chosen.predicted_peak)
-            self.plans[bucket] = BucketPlan(bucket, tuple(chosen.modes), peak, peak <= self.budget,
+            self.plans[bucket] = BucketPlan(bucket, tuple(chosen.modes), peak, peak <= self.target,
                                             chosen.smallest_budget, "calibration", steps=steps.get(bucket, 0))
 
     def unit(self) -> float:
@@ -323,24 +325,42 @@ class ShapePlanner:
         if old is not None and not old.stale:
             return old
         costs, base, source = self.costs(bucket)
-        known = self.known(bucket)
-        chosen = plan_budget(costs, self.budget, base=base, modes=self.modes, measured=known)
-        for _ in range(4):  # a traced peak over the budget takes that plan out: choose again
-            if chosen.modes in known or self._trace is None:
-                break
-            traced = self.traced(bucket, tuple(chosen.modes))
-            if traced is None:
-                break
-            known = self.known(bucket)
-            chosen = plan_budget(costs, self.budget, base=base, modes=self.modes, measured=known)
-        peak = known.get(tuple(chosen.modes), chosen.predicted_peak)
-        new = BucketPlan(bucket, tuple(chosen.modes), peak, peak <= self.budget, chosen.smallest_budget, source,
+        chosen, peak = self._choose(bucket, costs, base)
+        new = BucketPlan(bucket, tuple(chosen.modes), peak, peak <= self.target,
+                         math.ceil(chosen.smallest_budget / (1 - self.margin)), source,
                          steps=self._steps_before.pop(bucket, 0))
         if old is not None:  # chosen again: what the bucket did stays
             new.steps, new.measured_peak, new.error = old.steps, old.measured_peak, old.error
             new.step_s, new.tokens_per_sec = old.step_s, old.tokens_per_sec
         self.plans[bucket] = new
         return new
+
+    @property
+    def target(self) -> int:
+        """What a plan's predicted peak must be within: the budget less its margin (bytes)."""
+        return int(self.budget * (1 - self.margin))
+
+    def _choose(self, bucket: Shape, costs: List[BlockCost], base: Tuple[int, int],
+                tries: int = 12) -> Tuple[BudgetPlan, int]:
+        """Choose, trace the choice, choose again while its trace reads over the target: the fastest plan whose
+        known peak (traced, or measured here) fits. When ``tries`` traces find none, the fastest known plan that
+        fits, else the known plan with the lowest peak: never a plan nobody checked, marked as fitting."""
+        known = self.known(bucket)
+        for _ in range(tries):
+            chosen = plan_budget(costs, self.target, base=base, modes=self.modes, measured=known)
+            if chosen.modes in known or self._trace is None:
+                return chosen, known.get(tuple(chosen.modes), chosen.predicted_peak)
+            if self.traced(bucket, tuple(chosen.modes)) is None:  # cannot be traced: the model's figure
+                return chosen, chosen.predicted_peak
+            known = self.known(bucket)
+        seconds = {modes: sum(c.option(m).seconds for c, m in zip(costs, modes)) for modes in known}
+        fitting = [m for m, peak in known.items() if peak <= self.target]
+        modes = min(fitting, key=seconds.get) if fitting else min(known, key=known.get)
+        chosen = plan_budget(costs, self.target, base=base, modes=self.modes, measured={modes: known[modes]})
+        if chosen.modes != modes:  # the solver still prefers an unchecked plan: take the known one as it is
+            chosen = dataclasses.replace(chosen, modes=modes, predicted_peak=known[modes],
+                                         fits=known[modes] <= self.target)
+        return chosen, known[modes]
 
     def observe(self, bucket: Shape, modes: Sequence[str], measured: Optional[int], step_s: Optional[float] = None,
                 tokens_per_sec: Optional[float] = None, shape: Optional[Shape] = None) -> Optional[float]:
@@ -369,7 +389,8 @@ class ShapePlanner:
             self._raise[bucket] = self._raise.get(bucket, 0) + round((measured - predicted) * scale)
         if modes == plan.modes:
             plan.predicted_peak = self.predict(bucket, modes)
-            plan.stale = plan.predicted_peak > self.budget  # chosen again before the bucket's next step
+            plan.fits = plan.predicted_peak <= self.target
+            plan.stale = not plan.fits  # chosen again before the bucket's next step
         return error
 
     # -- resume

@@ -130,6 +130,7 @@ class CheckpointingEngine:
         self._owed: list = []  # logged reference steps whose time and throughput wait for an ordinary step's
         self._pending: Optional[Dict[str, Any]] = None  # restored state waiting for the plan to exist
         self._budget_state: Optional[Dict[str, Any]] = None  # a budget's saved calibration, for fit start
+        self.worst_activations: Optional[int] = None  # budget: the highest activation peak a step read
         self._applied_in_run = False
         self._verified = False
         self._warned_no_logger = False
@@ -247,12 +248,12 @@ class CheckpointingEngine:
                 self.shapes = ShapeSteps(self, budget, (*modes, *[COMPILER_MODE] * bool(fractions)))
                 self.shapes.setup(trainer)
                 self.calibration.predict = self.shapes.traced_at_calibration  # no stage predicted over the budget
-            if self._budget_state is not None:
-                self._resume_budget(self._budget_state)
                 raised = room_for_plans(len(modes) + 1 + len(fractions)) if caller is not None else None
                 if raised:
                     self._restore_dynamo = raised[1]
                     self.info(raised[0])
+            if self._budget_state is not None:
+                self._resume_budget(self._budget_state)
             if one_graph:
                 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -494,6 +495,8 @@ class CheckpointingEngine:
             log_metrics(trainer, metrics, self.settings.prefix)
         if self._deciding:
             self._decide(trainer, metrics)
+        if self.calibration is not None and result.ledger.activations is not None:  # the budget's worst step
+            self.worst_activations = max(self.worst_activations or 0, result.ledger.activations)
         if self.calibration is not None and not self.calibration.done and result.ledger.activations is not None:
             self.calibration.end_step(result.ledger.activations)
             for message in self.calibration.messages:
@@ -533,10 +536,23 @@ class CheckpointingEngine:
             rank_zero_warn(f"lightning_ckpt: the budget measures its plans again: the checkpoint's budget state does "
                            f"not fit this run ({type(err).__name__}: {err}).")
             return
+        self.worst_activations = state.get("worst")
         calibration = self.calibration
         where = ("its plan " + mode_mix(calibration.chosen.modes) if calibration.done and calibration.chosen
                  else f"calibration step {calibration.stage + 1} of {len(calibration.stages)}")
         self.info(f"budget resumed from the checkpoint at {where}")
+
+    def _budget_figures(self) -> Dict[str, Any]:
+        """What the budget held over the run: the highest activation peak a step read (calibration included) and
+        its share of the budget, the calibration's length in steps, the longest length found, the pricing time."""
+        calibration, shapes = self.calibration, self.shapes
+        longest = shapes.longest if shapes is not None else None
+        return {"worst_step": self.worst_activations,
+                "worst_step_ratio": None if self.worst_activations is None else
+                self.worst_activations / calibration.budget,
+                "calibration_steps": len(calibration.stages) + calibration.verifications,
+                "longest": None if longest is None else str(longest),
+                "pricing_s": shapes.pricing_s if shapes is not None else 0.0}
 
     def _warn_if_infeasible(self) -> None:
         """A budget no plan meets is a warning (rank zero, once) naming the smallest feasible budget."""
@@ -645,6 +661,8 @@ class CheckpointingEngine:
                 "smallest_budget": chosen.smallest_budget, "added_s": chosen.recompute_s,
                 "blocks": [{"mode": c.mode, "kept": c.kept, "saves": off.kept - c.kept, "replay": c.replay,
                             "seconds": c.seconds} for c, off in chosen.choices]}
+        if self.calibration is not None:
+            data["budget"] = self._budget_figures()
         if self.shapes is not None and self.shapes.planner.plans:
             data["shape_plans"] = self.shapes.report()
         if self.gate is not None and self.gate.needed:
@@ -660,6 +678,8 @@ class CheckpointingEngine:
                 json.dump(data, fh, indent=2)
             self._draw_timeline(trainer, folder)
         text = report_text(data) + (f"\n  per block, as the budget chose:\n{chosen.summary()}" if chosen else "")
+        if "budget" in data:
+            text += "\n" + _budget_line(data["budget"])
         if "peak" in data:
             text += "\n" + anatomy_text(data["peak"])
         if "shape_plans" in data:
@@ -743,7 +763,7 @@ class CheckpointingEngine:
         if self.controller is not None:
             state["controller"] = self.controller.state_dict()
         if self.calibration is not None:  # a resumed run goes on without calibrating again
-            state["budget"] = {"calibration": self.calibration.state_dict(),
+            state["budget"] = {"calibration": self.calibration.state_dict(), "worst": self.worst_activations,
                                "shapes": self.shapes.state_dict() if self.shapes is not None else None}
         elif self._budget_state is not None:
             state["budget"] = self._budget_state
@@ -792,6 +812,18 @@ class CheckpointingEngine:
                                    "modes": state.get("modes", [])})
         self._check_replay_safety()
         self._budget_state = state.get("budget")  # restored at fit start, once the calibration exists
+
+
+def _budget_line(figures: Dict[str, Any]) -> str:
+    """The report's line on what the budget held: its worst step against it, the calibration, the longest length."""
+    worst = figures.get("worst_step")
+    parts = [f"worst step {format_bytes(worst)} ({figures['worst_step_ratio']:.0%} of the budget, the calibration's "
+             "steps included)" if worst is not None else "no step measured",
+             f"calibration {figures['calibration_steps']} steps"]
+    if figures.get("longest"):
+        parts.append(f"longest batch it holds {figures['longest']}")
+    parts.append(f"{figures['pricing_s']:.1f} s pricing shapes on fake tensors")
+    return "  budget: " + "; ".join(parts)
 
 
 def _check_state(state: Any) -> Optional[Dict[str, Any]]:

@@ -10,13 +10,18 @@ have its own plan.
 - **The calibration's shape.** The budget's calibration (:class:`~lightning_ckpt.decide.budget.BudgetCalibration`)
   runs its stages on batches of the first batch's exact shape (its per-block bytes are that shape's), and a batch of
   exactly that shape runs the calibration's own plan, measured and verified (its modes may include the compiler's
-  budgets, ``compiler:<f>``, which the per-bucket plans also carry). A step of
-  another shape during it runs under its bucket's own plan, priced on fake tensors, and is no stage (the stage runs
-  again on the next step of the calibration's shape). With lengths that never repeat, pad to a multiple (a collator's
-  ``pad_to_multiple_of=64``) so that the calibration's shape comes back.
-- **Before the first step**, the longest shape the run can see — ``max_shape``, or the model's maximum positions
-  (``config.max_position_embeddings``, ``n_positions``, ``block_size``) with the first batch's micro-batch — is
-  priced, and a budget no plan meets there raises, naming the smallest feasible budget and that shape.
+  budgets, ``compiler:<f>``, which the per-bucket plans also carry). Every stage is predicted before it runs from
+  its plan traced on fake tensors at that shape (:meth:`ShapeSteps.traced_at_calibration`), so none runs above the
+  budget. A micro-batch of another shape during it runs under its bucket's own plan, priced on fake tensors,
+  unmeasured; the stage's blocks are measured on the calibration shape's micro-batches (a step with none of them is
+  no stage). With lengths that never repeat, pad to a multiple (a collator's ``pad_to_multiple_of=64``) so that the
+  calibration's shape comes back.
+- **Before the first step**, with ``max_shape``, a budget no plan meets there raises, naming the smallest feasible
+  budget. Without it, the longest length the budget holds at the first batch's micro-batch is found on fake tensors
+  (:meth:`~lightning_ckpt.decide.shape_plans.ShapePlanner.longest`), said, and caps the buckets; the model's
+  maximum positions (``config.max_position_embeddings``, ``n_positions``, ``block_size``) only cap them too, never
+  refuse. A longer batch runs the lowest plan with a warning, or stops before its forward when that plan is
+  predicted past the device's memory.
 - **Several processes**: the shape is the maximum over ranks, dimension by dimension (one all-reduce of a few
   integers on a CPU process group, no device sync), and each new plan is rank zero's (one broadcast when a bucket is
   planned), so every rank runs the same plan in the same step.
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -218,16 +224,23 @@ class ShapeSteps(ShapeReader):
 
     def _price_fake(self, bucket: Shape) -> ShapeCosts:
         module, plan, loss_fn, batch, context = self._fake_args(bucket)
-        return price_shape(module, plan, loss_fn, batch, self.modes, context=context)
+        start = time.perf_counter()
+        try:
+            return price_shape(module, plan, loss_fn, batch, self.modes, context=context)
+        finally:
+            self.pricing_s += time.perf_counter() - start
 
     def _trace(self, bucket: Shape, plans) -> list:
         """The traced peak of each plan at ``bucket``'s shape (without fake tracing: the scaled model's)."""
         if self._fallback is not None:
             return [self.planner.predict(bucket, modes) for modes in plans]
+        start = time.perf_counter()
         try:
             return self.trace(bucket, plans)
         except PricingError:
             return [self.planner.predict(bucket, modes) for modes in plans]
+        finally:
+            self.pricing_s += time.perf_counter() - start
 
     def _price_scaled(self, bucket: Shape) -> ShapeCosts:
         """No fake trace: the calibration's bytes times the token ratio, squared above its shape (pessimistic)."""
@@ -334,14 +347,11 @@ class ShapeSteps(ShapeReader):
                     f"(micro-batch x length), where the smallest feasible activation budget is "
                     f"{format_bytes(self._with_margin(floor))}.")
             return
-        import time
-
         start = time.perf_counter()
         try:
             longest, plan = self.planner.longest(shape, target, self._model_max_length())
         except PricingError:
             return
-        self.pricing_s += time.perf_counter() - start
         self.longest = longest
         if longest is not None and plan is not None:
             self.engine.info(f"budget {format_bytes(self.budget)} holds micro-batch {longest.samples} up to "
@@ -372,6 +382,7 @@ class ShapeSteps(ShapeReader):
         if new and trainer.world_size > 1:
             plan.modes = self._broadcast(plan.modes)
         if new and not plan.fits and plan.source != "unpriced":
+            self._refuse_over_capacity(bucket, plan)
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
             rank_zero_warn(f"lightning_ckpt: raise the budget to at least {format_bytes(plan.smallest_budget)}, or "
@@ -384,6 +395,23 @@ class ShapeSteps(ShapeReader):
                                             "plan is now predicted over the budget)")
             self.engine.info(f"bucket {bucket}: {_describe(plan)}{again}")
         return plan
+
+    def _refuse_over_capacity(self, bucket: Shape, plan: BucketPlan) -> None:
+        """A batch no plan fits, whose lowest plan is predicted past the device's memory with the model's state
+        (parameters, gradients, optimizer state of the last measured step): it stops here, before its forward."""
+        capacity, result = self.engine.capacity, self.engine.last_result
+        ledger = getattr(result, "ledger", None) if result is not None else None
+        if capacity is None or ledger is None:
+            return
+        state = ledger.params + ledger.grads + ledger.optimizer + ledger.master
+        if state + plan.predicted_peak <= capacity:
+            return
+        raise RuntimeError(
+            f"lightning_ckpt: shorten batches of shape {bucket} (micro-batch x length) to at most "
+            f"{self.longest or 'the longest length the budget holds'}, lower the micro-batch, or train on a device "
+            f"with more memory: with every block checkpointed as much as it can be, such a batch is predicted at "
+            f"{format_bytes(plan.predicted_peak)} of activations over {format_bytes(state)} of model state, past the "
+            f"device's {format_bytes(capacity)}; it was stopped before its forward.")
 
     @staticmethod
     def _write_text(trainer: "pl.Trainer", bucket: Shape, plan: BucketPlan) -> None:

@@ -119,6 +119,13 @@ def test_the_configs_maximum_positions_never_refuse_a_run_and_the_longest_length
     said = [m for m in records if "holds micro-batch 4 up to" in m]
     assert len(said) == 1 and f"up to {longest.lengths[0]:,} tokens" in said[0], records
     assert all(peak is None or peak <= 3 * MiB for _, _, peak in rows)
+    # the report: the worst step against the budget (the calibration's included), the longest length, pricing time
+    import json
+
+    figures = json.loads((tmp_path / "csv" / "version_0" / "lightning_ckpt_report.json").read_text())["budget"]
+    assert figures["worst_step"] == max(peak for _, _, peak in rows if peak is not None)
+    assert figures["worst_step_ratio"] <= 1 and figures["longest"] == str(longest) and figures["pricing_s"] > 0
+    assert figures["calibration_steps"] >= 9 and not cb.calibration.done  # said while it calibrates too
 
 
 def test_an_explicit_max_shape_no_plan_meets_fails_before_the_first_step(tmp_path):
@@ -386,3 +393,27 @@ def test_a_float_sequence_batch_is_read_by_its_length_with_one_warning_naming_sh
         cb, rows = _fit(tmp_path, model, [batch(24, i) for i in range(12)] + [batch(64, 99)] * 2, "budget:2MiB")
     assert Shape(4, (64,)) in cb.shape_plans and cb.calibration.done
     assert all(peak is None or peak <= 2 * MiB for _, _, peak in rows)
+
+
+def test_a_batch_longer_than_the_budget_holds_warns_once_and_one_past_the_device_stops_before_its_forward(tmp_path):
+    """Without max_shape: a batch longer than the longest length found runs the lowest plan with one warning naming
+    its shape, its predicted peak and the budget; with the device's capacity known and that prediction (with the
+    model state) past it, the run stops before the batch's forward, naming the length and the fixes, and the
+    weights are those of the steps before it."""
+    batches = [_batch(32, seed=i) for i in range(12)] + [_batch(256, seed=1)] * 2
+    with pytest.warns(UserWarning, match=r"raise the budget to at least .* or shorten batches of shape 4 x 256 "
+                                         r"\(micro-batch x length\): no plan meets 'budget:3MiB' there, so they run "
+                                         r"under the plan with the lowest predicted activation peak"):
+        cb, rows = _fit(tmp_path / "warn", _gpt(), batches, "budget:3MiB")
+    assert rows[-1][1] == ("recompute",) * 4 and not cb.shape_plans[Shape(4, (256,))].fits
+
+    model, seen = _gpt(), {}
+
+    class Weights(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.update(params_of(pl_module))
+
+    with pytest.raises(RuntimeError, match=r"shorten batches of shape 4 x 256 \(micro-batch x length\) to at most "
+                                           r"4 x \d+, .* past the device's 8.0 MiB; it was stopped before its forward"):
+        _fit(tmp_path / "stop", model, batches, "budget:3MiB", callback=dict(capacity="8MiB"), callbacks=[Weights()])
+    assert all(torch.equal(v, params_of(model)[k]) for k, v in seen.items())  # nothing ran after the last step
