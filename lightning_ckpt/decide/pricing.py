@@ -326,17 +326,19 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
         calibration = BudgetCalibration(plan, session.meter, 0, apply=plan.set_modes, modes=measured, times=False,
                                         choose=False)
         inputs: Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]] = {}
-        capture = [plan.blocks[i].register_forward_pre_hook(_capturer(inputs, i), with_kwargs=True)
-                   for i in _one_per_class(plan.blocks)]
+        capture = [block.register_forward_pre_hook(_capturer(inputs, i), with_kwargs=True)
+                   for i, block in enumerate(plan.blocks)]
         try:
             calibration.stages = [("off", every, "bytes")]  # the whole-model step
             calibration.begin_step()
             forward, backward, peak = session.split_step(plan.blocks[-1])
+            context = list(calibration.interior)  # the interiors where the blocks ran, before any runs alone
             for handle in capture:
                 handle.remove()
-            # then each class's block alone in each mode (off where the whole step did not run it off), each a stage
-            # of its own so that the calibration's hooks measure it as they measure a stage
-            alone = [(mode, i) for i in inputs for mode in ("off",) * (every[i] != "off") + measured]
+            # then one block of each kind alone in each mode, each a stage of its own so that the calibration's
+            # hooks measure it as they measure a stage
+            kinds = _kinds(plan.blocks, inputs)
+            alone = [(mode, i) for i in _one_per_kind(kinds) if i in inputs for mode in ("off", *measured)]
             calibration.stages += [(mode, tuple(mode if j == i else "off" for j in range(n)), "bytes")
                                    for mode, i in alone]
             calibration.stage = 1
@@ -348,16 +350,33 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
             for handle in capture:
                 handle.remove()
             calibration.close()
-        costs = _alike(plan.blocks, calibration.costs())
-        base = _bases(costs, every, forward, backward)  # with the interiors as the step measured them
-        shared = _shared_bytes(plan.blocks, costs, every)
-        return ShapeCosts(tuple(_largest_interiors(plan.blocks, costs)), (base[0] + shared, base[1] + shared),
-                          {every: peak})
+        costs = _alike(kinds, calibration.costs())
+        # the bases from the interiors as the whole step measured them; then every block priced with its kind's
+        # interior measured alone, and the bases raised by what that counts beyond the whole step's (below)
+        base = _bases([dataclasses.replace(c, interior=context[i]) for i, c in enumerate(costs)], every, forward,
+                      backward)
+        alone_interior = {kinds[i]: calibration.interior[i] for mode, i in alone if mode == "off"}
+        costs = [dataclasses.replace(c, interior=alone_interior.get(k, c.interior)) for k, c in zip(kinds, costs)]
+        shared = sum(max(c.interior - context[i], 0) for i, c in enumerate(costs) if every[i] == "off")
+        return ShapeCosts(tuple(costs), (base[0] + shared, base[1] + shared), {every: peak})
 
 
-def _one_per_class(blocks: Sequence[nn.Module]) -> List[int]:
-    """The last block of each class (the first carries the engine's phase hook; any member would do)."""
-    return sorted({type(block).__name__: i for i, block in enumerate(blocks)}.values())
+def _kinds(blocks: Sequence[nn.Module], inputs: Dict[int, Any]) -> List[Any]:
+    """Each block's kind: blocks of one kind are alike (one class, the same parameters' shapes, inputs of the same
+    shapes). A class alone is not enough: an encoder-decoder's encoder and decoder blocks are often one class (T5's
+    ``T5Block``), with a cross-attention and other lengths in the decoder."""
+    out = []
+    for i, block in enumerate(blocks):
+        params = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
+        leaves, spec = tree_flatten(inputs.get(i))
+        call = tuple(v if isinstance(v, _TensorSpec) else type(v).__name__ for v in leaves), str(spec)
+        out.append((type(block), params, call))
+    return out
+
+
+def _one_per_kind(kinds: Sequence[Any]) -> List[int]:
+    """The last block of each kind (the first carries the engine's phase hook; any member would do)."""
+    return sorted({kind: i for i, kind in enumerate(kinds)}.values())
 
 
 def _capturer(inputs: Dict[int, Any], index: int) -> Callable:
@@ -368,44 +387,21 @@ def _capturer(inputs: Dict[int, Any], index: int) -> Callable:
     return hook
 
 
-def _alike(blocks: Sequence[nn.Module], costs: Sequence[BlockCost]) -> List[BlockCost]:
-    """Every block takes the bytes measured on its class's block alone where its own were not measured (the
-    interiors were carried by the calibration's own rule: a block never ``off`` is priced with the interior of a
-    block of its class); what ``selective`` keeps holds the block's input, its own boundary."""
+def _alike(kinds: Sequence[Any], costs: Sequence[BlockCost]) -> List[BlockCost]:
+    """Every block takes the bytes measured on its kind's block alone where its own were not measured (the
+    interiors were measured on every block, :func:`_largest_interiors`); what ``selective`` keeps holds the block's
+    input, its own boundary."""
     out = []
-    for block, cost in zip(blocks, costs):
+    for kind, cost in zip(kinds, costs):
         fields = {}
         for name in ("selective_kept", "selective_replay", "recompute_replay"):
-            source = next((c for b, c in zip(blocks, costs) if type(b) is type(block) and getattr(c, name) is not None),
-                          None)
+            source = next((c for k, c in zip(kinds, costs) if k == kind and getattr(c, name) is not None), None)
             if getattr(cost, name) is None and source is not None:
                 fields[name] = getattr(source, name) - (source.boundary - cost.boundary) * (name == "selective_kept")
                 if name == "selective_kept":  # its time (0 here: bytes only) makes the mode an option
                     fields["selective_s"] = source.selective_s
         out.append(dataclasses.replace(cost, **fields) if fields else cost)
     return out
-
-
-def _largest_interiors(blocks: Sequence[nn.Module], costs: Sequence[BlockCost]) -> List[BlockCost]:
-    """Each block priced with the largest interior of its class: tensors made outside the blocks and saved inside
-    them (a Llama's rotary tables) are counted by whichever block first runs ``off``, which depends on the plan; so
-    every block carries them (a few KiB high), never none (a prediction below the step)."""
-    largest: Dict[type, int] = {}
-    for block, cost in zip(blocks, costs):
-        largest[type(block)] = max(largest.get(type(block), 0), cost.interior)
-    return [dataclasses.replace(c, interior=largest[type(b)]) for b, c in zip(blocks, costs)]
-
-
-def _shared_bytes(blocks: Sequence[nn.Module], costs: Sequence[BlockCost], plan: Sequence[str]) -> int:
-    """Bytes made outside the blocks and saved inside them (a Llama's rotary tables): the first ``off`` block of its
-    class measured them in its interior, the next ones did not. A plan with no block ``off`` keeps them too (saved
-    by a ``selective`` block, or alive), so the bases carry them, as every block does (:func:`_largest_interiors`):
-    counted twice where a block is ``off``, never missing."""
-    interiors: Dict[type, List[int]] = {}
-    for block, cost, mode in zip(blocks, costs, plan):
-        if mode == "off":
-            interiors.setdefault(type(block), []).append(cost.interior)
-    return sum(max(v) - min(v) for v in interiors.values())
 
 
 def _bases(costs: Sequence[BlockCost], plan: Sequence[str], forward: int, backward: int) -> Tuple[int, int]:
