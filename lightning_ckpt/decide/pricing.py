@@ -301,6 +301,10 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
     cost (Python dispatch per operator, growing with the layers), a block alone a few hundredths of a second; the
     calibration's five stages (:func:`price_shape_by_stages`) cost five whole-model steps.
 
+    Blocks of several kinds (not one class with the same parameters: an encoder-decoder, a T5's first block with
+    its position table) are priced by the stages: their bytes are not additive across kinds (a T5's forward base
+    moves by 0.6 MiB with the mode of its last encoder block, which one step cannot see).
+
     Args:
         model: the model that holds ``plan``'s blocks (its parameters and buffers are swapped for fakes while
             pricing).
@@ -318,6 +322,8 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
     Raises:
         PricingError: the model cannot be traced on fake tensors (see the module docstring).
     """
+    if len({_parameters(block) for block in plan.blocks}) > 1:
+        return price_shape_by_stages(model, plan, loss_fn, batch, modes, context)
     measured = tuple(m for m in modes if m in ("recompute", "selective"))
     n = plan.num_blocks
     # every block off but the last, in the last mode: the blocks' interiors where they run, and replays in backward
@@ -351,13 +357,13 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
                 handle.remove()
             calibration.close()
         costs = _alike(kinds, calibration.costs())
-        # the bases from the interiors as the whole step measured them; then every block priced with its kind's
-        # interior measured alone, and the bases raised by what that counts beyond the whole step's (below)
-        base = _bases([dataclasses.replace(c, interior=context[i]) for i, c in enumerate(costs)], every, forward,
-                      backward)
-        alone_interior = {kinds[i]: calibration.interior[i] for mode, i in alone if mode == "off"}
-        costs = [dataclasses.replace(c, interior=alone_interior.get(k, c.interior)) for k, c in zip(kinds, costs)]
-        shared = sum(max(c.interior - context[i], 0) for i, c in enumerate(costs) if every[i] == "off")
+        # the interiors where the blocks ran off (the last one's alone, all it saves); the bases from them, raised by
+        # what the first off block of a kind counts beyond the next ones (tensors made outside the blocks and saved
+        # inside them: a Llama's rotary tables), which every block of the kind then carries
+        costs = [dataclasses.replace(c, interior=context[i]) if every[i] == "off" else c for i, c in enumerate(costs)]
+        base = _bases(costs, every, forward, backward)
+        shared = _shared_bytes(kinds, costs, every)
+        costs = _largest_interiors(kinds, costs)
         return ShapeCosts(tuple(costs), (base[0] + shared, base[1] + shared), {every: peak})
 
 
@@ -367,11 +373,15 @@ def _kinds(blocks: Sequence[nn.Module], inputs: Dict[int, Any]) -> List[Any]:
     ``T5Block``), with a cross-attention and other lengths in the decoder."""
     out = []
     for i, block in enumerate(blocks):
-        params = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
         leaves, spec = tree_flatten(inputs.get(i))
         call = tuple(v if isinstance(v, _TensorSpec) else type(v).__name__ for v in leaves), str(spec)
-        out.append((type(block), params, call))
+        out.append((_parameters(block), call))
     return out
+
+
+def _parameters(block: nn.Module) -> Tuple[Any, ...]:
+    """A block's class and its parameters' names, shapes and dtypes."""
+    return type(block), tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
 
 
 def _one_per_kind(kinds: Sequence[Any]) -> List[int]:
@@ -402,6 +412,26 @@ def _alike(kinds: Sequence[Any], costs: Sequence[BlockCost]) -> List[BlockCost]:
                     fields["selective_s"] = source.selective_s
         out.append(dataclasses.replace(cost, **fields) if fields else cost)
     return out
+
+
+def _largest_interiors(kinds: Sequence[Any], costs: Sequence[BlockCost]) -> List[BlockCost]:
+    """Each block priced with the largest interior of its kind: tensors made outside the blocks and saved inside
+    them are counted by whichever block first runs ``off``, which the plan decides; so every block carries them."""
+    largest: Dict[Any, int] = {}
+    for kind, cost in zip(kinds, costs):
+        largest[kind] = max(largest.get(kind, 0), cost.interior)
+    return [dataclasses.replace(c, interior=largest[k]) for k, c in zip(kinds, costs)]
+
+
+def _shared_bytes(kinds: Sequence[Any], costs: Sequence[BlockCost], plan: Sequence[str]) -> int:
+    """What the first ``off`` block of each kind counts beyond the others of its kind (tensors made outside them
+    and saved inside): a plan with none of them ``off`` keeps those too (saved by a ``selective`` block, or alive),
+    so the bases carry them: counted twice where a block is ``off``, never missing."""
+    interiors: Dict[Any, List[int]] = {}
+    for kind, cost, mode in zip(kinds, costs, plan):
+        if mode == "off":
+            interiors.setdefault(kind, []).append(cost.interior)
+    return sum(max(v) - min(v) for v in interiors.values())
 
 
 def _bases(costs: Sequence[BlockCost], plan: Sequence[str], forward: int, backward: int) -> Tuple[int, int]:
