@@ -617,6 +617,7 @@ class BudgetCalibration:
         if not self.done and mixed and activations <= self.target:  # the plan's own peak is at most the step's
             self.messages.append(f"budget plan {mode_mix(self.chosen.modes)} verified within the budget on a step "
                                  f"with micro-batches of another shape ({format_bytes(activations)})")
+            self.measured = None  # no reading of its own (an earlier one was another plan's: never credit it)
             self.stage += 1
         elif not self.done:
             self._verify(activations)

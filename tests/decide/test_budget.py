@@ -597,3 +597,40 @@ def test_a_budget_on_a_card_that_only_just_holds_all_completes_its_calibration_a
     assert len(after) >= 2 and all(modes == calibration.chosen.modes and not failed for modes, failed in after)
     if room == "one block off":
         assert off_last in calibration.measured_plans and 3 in calibration._measured_off
+
+
+def test_a_verifying_step_off_by_more_than_the_margin_is_corrected_and_the_correction_verified_in_turn():
+    """The first verifying step reads far above its prediction (a one-off: the next reads what the model says):
+    the prediction is corrected by the difference and a stronger plan chosen, verified on the next step (the old
+    code corrected once and never verified the correction, crediting the old plan's reading to it); that plan
+    holds, so it is kept, with its own reading."""
+    calibration, plan, step = _hand_driven_calibration()
+    calibration.run(step)
+    first = calibration.chosen
+    assert not calibration.done and first.modes == ("off",) * 4
+    calibration.budget = first.predicted_peak + 1000  # a budget the chosen plan just meets, by prediction
+    calibration._choose()
+    first = calibration.chosen
+    overshoot = int(first.predicted_peak * 0.5)
+    calibration.begin_step()
+    step(False)
+    calibration.end_step(first.predicted_peak + overshoot)  # read far above its prediction
+    second = calibration.chosen
+    assert not calibration.done and second.modes != first.modes and second.fits
+    assert calibration.measured_plans[first.modes] == first.predicted_peak + overshoot
+    calibration.begin_step()
+    assert tuple(plan.modes) == second.modes  # the correction runs, to be verified
+    readings = {}
+    while True:  # each choice verified on its own step, a bounded number of them
+        modes = tuple(plan.modes)
+        readings[modes] = step(False)
+        calibration.end_step(readings[modes])
+        if calibration.done:
+            break
+        calibration.begin_step()
+    from lightning_ckpt.decide.budget import MAX_VERIFICATIONS
+
+    assert 2 <= calibration.verifications <= MAX_VERIFICATIONS
+    chosen = calibration.chosen
+    assert chosen.modes != first.modes  # the plan that read over the budget is never taken again
+    assert tuple(plan.modes) == chosen.modes and calibration.measured == readings[chosen.modes] <= calibration.budget
