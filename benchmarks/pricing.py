@@ -2,7 +2,7 @@
 
 For each model, in one process: :func:`~lightning_ckpt.decide.pricing.price_shape_by_stages` (the budget
 calibration's five stages, each a whole-model step on fake tensors: how a bucket was priced before) beside
-:func:`~lightning_ckpt.decide.pricing.price_shape` (one whole-model step, then one block alone per class and mode),
+:func:`~lightning_ckpt.decide.pricing.price_shape` (one whole-model step, then one block alone per kind and mode),
 then :func:`~lightning_ckpt.decide.pricing.trace_plans` of one plan (every block recomputed) at the model's maximum
 length, the check a run makes before its first step. Models: Hugging Face Llama configs of 4 and 24 layers (hidden
 256) and Llama-2-7B's config (32 layers, hidden 4096), built under a fake-tensor mode: nothing is allocated, nothing

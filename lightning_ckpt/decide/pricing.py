@@ -5,7 +5,7 @@ runs: afterwards is the out-of-memory error. :func:`price_shape` measures what t
 the bytes kept ``off``, the boundary, what ``selective`` keeps, what each replay creates, and the bytes outside the
 blocks (:class:`~lightning_ckpt.decide.budget.BlockCost`, ``base``) — for a batch of that shape, with the budget
 calibration's hooks (:class:`~lightning_ckpt.decide.budget.BudgetCalibration`, bytes only) on one whole-model step
-and on one block alone per class and mode (:func:`price_shape`; the calibration's five whole-model stages are
+and on one block alone per kind and mode (:func:`price_shape`; the calibration's five whole-model stages are
 :func:`price_shape_by_stages`), on the model being trained, without allocating it:
 
 - every parameter and buffer is swapped for a *fake tensor* of the same shape, dtype and device (no storage) for
@@ -295,11 +295,11 @@ def price_shape(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tens
 
     One whole-model step, every block ``off`` but the last, which runs the last of ``modes``: each block's input
     and interior where it runs, the peak after the blocks' forward and the backward's peak apart (the bases: what the
-    blocks do not explain, with a replay in the backward), and the input of one block per class. Then that block
-    alone in each mode (and ``off`` where the whole step did not run it so): what it keeps and what its replay
-    creates; the other blocks of its class are alike and take its bytes. A whole-model fake step is about a trace's
-    cost (Python dispatch per operator, growing with the layers), a block alone a few hundredths of a second; the
-    calibration's five stages (:func:`price_shape_by_stages`) cost five whole-model steps.
+    blocks do not explain, with a replay in the backward), and every block's input. Then the last block of each
+    kind (:func:`_kinds`) alone in each mode: what it keeps and what its replay creates, which the other blocks of
+    its kind take (they are alike). A whole-model fake step is about a trace's cost (Python dispatch per operator,
+    growing with the layers), a block alone a few hundredths of a second; the calibration's five stages
+    (:func:`price_shape_by_stages`) cost five whole-model steps.
 
     Blocks of several kinds (not one class with the same parameters: an encoder-decoder, a T5's first block with
     its position table) are priced by the stages: their bytes are not additive across kinds (a T5's forward base
