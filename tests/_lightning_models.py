@@ -400,3 +400,20 @@ class DumpModes(Callback):
                     "buckets": {str(b): list(p.modes) for b, p in cb.shape_plans.items()},
                     "errors": {str(b): p.error for b, p in cb.shape_plans.items() if p.source == "fake"}},
                    f"{self.out_dir}/rank{trainer.global_rank}.pt")
+
+
+def lm_batch(length: int, samples: int = 4, seed: int = 0, vocab: int = 96) -> dict:
+    """A causal-LM batch of ``samples`` x ``length`` token ids and their next-token labels (seeded)."""
+    g = torch.Generator().manual_seed(seed * 1000 + length)
+    ids = torch.randint(0, vocab, (samples, length + 1), generator=g)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def step_activations(trainer) -> "int | None":
+    """The activation peak the plugin's callback measured for the step that just ended (``None`` unmeasured)."""
+    from lightning_ckpt import ActivationCheckpointing
+
+    (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
+    result = cb.last_result
+    return result.ledger.activations if result is not None and result.ledger is not None else None
+

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from _lightning_models import CleanDistributedExit, trainer_kwargs
+from _lightning_models import CleanDistributedExit, lm_batch, step_activations, trainer_kwargs
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
@@ -21,9 +21,7 @@ STEPS = 16
 
 
 def _batch(length: int, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed * 1000 + length)
-    ids = torch.randint(0, VOCAB, (4, length + 1), generator=g)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    return lm_batch(length, seed=seed, vocab=VOCAB)
 
 
 class PerRankData(GPTLightningModule):
@@ -41,9 +39,7 @@ class Rows(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
-        result = cb.last_result
-        peak = result.ledger.activations if result is not None and result.ledger is not None else None
-        self.rows.append((tuple(cb.plan.modes), peak, batch["input_ids"].shape[1]))
+        self.rows.append((tuple(cb.plan.modes), step_activations(trainer), batch["input_ids"].shape[1]))
 
     def on_train_end(self, trainer, pl_module):
         torch.save(self.rows, f"{self.folder}/rank{trainer.global_rank}.pt")

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from _lightning_models import trainer_kwargs
+from _lightning_models import lm_batch, step_activations, trainer_kwargs
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
@@ -36,9 +36,7 @@ def _model(name: str):
 
 
 def _batch(length: int, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed * 1000 + length)
-    ids = torch.randint(0, VOCAB, (4, length + 1), generator=g)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    return lm_batch(length, seed=seed, vocab=VOCAB)
 
 
 class Watch(Callback):
@@ -50,10 +48,9 @@ class Watch(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.fit_loop._should_accumulate():
             return
-        (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
-        result = cb.last_result
-        if result is not None and result.ledger is not None and result.ledger.activations is not None:
-            self.peaks.append(result.ledger.activations)
+        peak = step_activations(trainer)
+        if peak is not None:
+            self.peaks.append(peak)
 
 
 def _fit(tmp_path, name: str, policy: str, compiled: bool, precision: str, accumulate: int, lengths):

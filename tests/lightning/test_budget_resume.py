@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _lightning_models import trainer_kwargs
+from _lightning_models import lm_batch, step_activations, trainer_kwargs
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
@@ -19,9 +19,7 @@ BUDGET = 3 * MiB
 
 
 def _batch(length: int, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed * 1000 + length)
-    ids = torch.randint(0, VOCAB, (4, length + 1), generator=g)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    return lm_batch(length, seed=seed, vocab=VOCAB)
 
 
 class Steps(Callback):
@@ -32,9 +30,7 @@ class Steps(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
-        result = cb.last_result
-        peak = result.ledger.activations if result is not None and result.ledger is not None else None
-        self.rows.append((trainer.global_step, cb.plan.modes, peak, cb.calibration.done))
+        self.rows.append((trainer.global_step, cb.plan.modes, step_activations(trainer), cb.calibration.done))
 
 
 def _run(tmp_path, steps: int, ckpt_path=None, every: int = 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _lightning_models import params_of, trainer_kwargs
+from _lightning_models import lm_batch, params_of, step_activations, trainer_kwargs
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
@@ -19,9 +19,7 @@ VOCAB = 96
 
 
 def _batch(length: int, samples: int = 4, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed * 1000 + length)
-    ids = torch.randint(0, VOCAB, (samples, length + 1), generator=g)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    return lm_batch(length, samples, seed, VOCAB)
 
 
 class Steps(Callback):
@@ -32,10 +30,8 @@ class Steps(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
-        result = cb.last_result
-        measured = result.ledger.activations if result is not None and result.ledger is not None else None
         length = batch["input_ids"].shape[1] if isinstance(batch, dict) else batch[0].shape[1]
-        self.rows.append((length, cb.plan.modes, measured))
+        self.rows.append((length, cb.plan.modes, step_activations(trainer)))
 
 
 def _fit(tmp_path, model, batches, policy, steps=None, callbacks=(), **kwargs):
