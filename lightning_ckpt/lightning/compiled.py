@@ -28,7 +28,7 @@ seen.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -38,14 +38,24 @@ from lightning_ckpt.lightning import conflicts
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
-__all__ = ["CUDA_GRAPHS_WARNING", "blocks_in_one_compiled_graph", "compile_blocks_one_by_one",
-           "compiled_block_caller", "cuda_graphs_in_use", "room_for_plans", "warn_cuda_graphs_once"]
+__all__ = ["CHECKPOINT_BREAK_WARNING", "CUDA_GRAPHS_WARNING", "blocks_in_one_compiled_graph",
+           "checkpoint_graph_breaks", "compile_blocks_one_by_one", "compiled_block_caller", "cuda_graphs_in_use",
+           "graph_breaks_so_far", "room_for_plans", "warn_checkpoint_graph_breaks", "warn_cuda_graphs_once"]
 
 CUDA_GRAPHS_WARNING = (
     "lightning_ckpt: to measure peak allocated/reserved memory, compile without CUDA graphs (mode='default' or "
     "'max-autotune-no-cudagraphs', or options={{'triton.cudagraphs': False}}): {note}, whose private memory pools "
     "hold the step's tensors across steps, so the allocator's lines (peaks, other, cache, per-phase peaks) are not "
     "this step's memory and are not logged; the report says so.")
+
+CHECKPOINT_BREAK_WARNING = (
+    "lightning_ckpt: to keep the checkpointed blocks compiled, pin the previous release of the library the blocks "
+    "come from (e.g. transformers), leave these blocks out of checkpointing with blocks=..., or use policy='none' "
+    "under torch.compile: dynamo broke the graph inside {count} checkpointed region(s) and ran them eagerly, so "
+    "their recompute is not compiled. Dynamo's reason: {reasons}")
+
+# words dynamo puts in a break's reason when it comes from a higher-order op such as torch.utils.checkpoint
+_HOP_MARKERS = ("HOP", "Higher Order Operator", "higher order op", "torch.utils.checkpoint", "checkpoint")
 
 # set on a whole-model wrapper whose graph compile_blocks_one_by_one replaced by per-block graphs
 _UNROLLED = "_lightning_ckpt_blocks_compiled"
@@ -241,3 +251,57 @@ def room_for_plans(modes: int) -> Optional[Tuple[str, Callable[[], None]]]:
     return (f"torch._dynamo.config.{name} raised from {current} to {needed} for this run: blocks compiled one by one "
             f"take one graph per mode ({modes}) and per static and dynamic lengths",
             lambda: setattr(config, name, current))
+
+
+# ------------------------------------------------------------------------------------------ graph breaks
+
+
+def graph_breaks_so_far() -> Dict[str, int]:
+    """Dynamo's graph-break counts by reason until now (process-wide), to tell a fit's own breaks from earlier ones."""
+    return dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def checkpoint_graph_breaks(before: Dict[str, int]) -> List[str]:
+    """The reasons of the graph breaks dynamo counted since ``before`` that come from a checkpointed region.
+
+    Dynamo names a higher-order op in the reason when the op's body fails to trace (transformers 5.25's "HOP: Unsafe
+    side effect ..."); those are taken when present. Some failures inside the body (a ``torch.compiler.disable``d
+    call) carry the inner reason only; with no reason naming a higher-order op, every new break is taken, since the
+    caller asks only when blocks run checkpointed under compile.
+    """
+    new = [r for r, n in torch._dynamo.utils.counters["graph_break"].items() if n > before.get(r, 0)]
+    named = [r for r in new if any(m in r for m in _HOP_MARKERS)]
+    return named or new
+
+
+_WARNED_BREAKS: set = set()
+
+
+def warn_checkpoint_graph_breaks(pl_module: nn.Module, num_checkpointed: int, before: Dict[str, int]) -> Dict[str, int]:
+    """After a training step: :data:`CHECKPOINT_BREAK_WARNING` (rank zero, once per reason per process) when blocks
+    run checkpointed under ``torch.compile`` and dynamo broke the graph inside them since ``before``, which would
+    otherwise fall back to eager silently. The first step that compiles is not always the first step (an eager
+    reference step may come first), so the engine asks after every step: reading the counts copies a dict of a few keys.
+    Returns the counts now, the ``before`` of the next call.
+
+    Known limit: a break the model also has without checkpointing, whose reason does not name a higher-order op, is
+    reported too when it is new in this fit; ``policy='none'`` tells the two apart.
+    """
+    reasons = [r for r in checkpoint_graph_breaks(before) if r not in _WARNED_BREAKS]
+    now = graph_breaks_so_far()
+    if not reasons or num_checkpointed <= 0 or not any(True for _ in _contexts(pl_module)):
+        return now
+    _WARNED_BREAKS.update(reasons)
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    shown = " | ".join(r.split("\n")[0].strip() + (f" ({_explanation(r)})" if _explanation(r) else "") for r in reasons)
+    rank_zero_warn(CHECKPOINT_BREAK_WARNING.format(count=len(reasons), reasons=shown), category=RuntimeWarning)
+    return now
+
+
+def _explanation(reason: str) -> str:
+    """The ``Explanation:`` line of dynamo's multi-line reason, if any (it names the function or object at fault)."""
+    for line in reason.splitlines()[1:]:
+        if line.strip().startswith("Explanation:"):
+            return line.strip()[len("Explanation:"):].strip()
+    return ""

@@ -51,7 +51,9 @@ from lightning_ckpt.lightning.compiled import (
     compile_blocks_one_by_one,
     compiled_block_caller,
     cuda_graphs_in_use,
+    graph_breaks_so_far,
     room_for_plans,
+    warn_checkpoint_graph_breaks,
     warn_cuda_graphs_once,
 )
 from lightning_ckpt.lightning.gate import ShapeGate
@@ -223,6 +225,7 @@ class CheckpointingEngine:
         graphs = cuda_graphs_in_use(pl_module) if device.type == "cuda" else None  # the allocator's lines: see there
         if graphs is not None:
             warn_cuda_graphs_once(graphs)
+        self._breaks_before = graph_breaks_so_far()  # compared after each step (see batch_end)
         self.monitor = StepMonitor(device, tokens_fn=s.tokens_fn, capacity=self.capacity,
                                    exact_every_n_steps=s.exact_every_n_steps, allocator_note=graphs)
         self.monitor.watch(pl_module)
@@ -452,6 +455,9 @@ class CheckpointingEngine:
 
     def batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """After the last micro-batch of an optimizer step: read, reduce, log and decide."""
+        if getattr(self, "_breaks_before", None) is not None:  # a step compiled (not always the first): name breaks
+            self._breaks_before = warn_checkpoint_graph_breaks(
+                pl_module, self.plan.num_checkpointed if self.plan else 0, self._breaks_before)
         if trainer.fit_loop._should_accumulate() or self.monitor is None or not self.monitor.in_step:
             return
         self.phase.optimizer_step_end()

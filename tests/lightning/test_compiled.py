@@ -5,6 +5,8 @@ allowed)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _lightning_models import CompiledGPT, GraphCount, trainer_kwargs
@@ -239,3 +241,46 @@ def test_compiles_without_cuda_graphs_are_not_flagged(kwargs):
 
         with inductor_config.patch({"triton.cudagraphs": True}):
             assert cuda_graphs_in_use(model) is None
+
+
+@torch._dynamo.disable
+def _outside_the_compiler(x):  # dynamo cannot trace it, even with side effects allowed: a break in the block
+    return x * 1.0
+
+
+class _Untraceable(torch.nn.Module):
+    def forward(self, x):
+        return _outside_the_compiler(x)
+
+
+def _fit_with_a_break_in_each_block(tmp_path, policy, **cb_kwargs):
+    model = _model()
+    for block in model.model.transformer.h:
+        block.mlp.dropout = _Untraceable()
+    model.model = torch.compile(model.model, backend="aot_eager")
+    cb = ActivationCheckpointing(policy=policy, **cb_kwargs)
+    trainer = Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps=2, limit_val_batches=0,
+                                                       num_sanity_val_steps=0))
+    loader = DataLoader([model.example_batch(2, T)] * 2, batch_size=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, train_dataloaders=loader)
+    return [str(w.message) for w in caught if "dynamo broke the graph inside" in str(w.message)]
+
+
+@pytest.mark.parametrize("compile_blocks", [False, True])
+def test_a_graph_break_inside_checkpointed_blocks_is_named_once(tmp_path, compile_blocks):
+    """A break dynamo takes inside a checkpointed region (the blocks then run eagerly) is named once after the first
+    step, with dynamo's reason and the workaround, whole model compiled or blocks one by one; without checkpointing
+    the same break is the model's own and is not reported."""
+    torch._dynamo.reset()
+    import lightning_ckpt.lightning.compiled as compiled
+
+    compiled._WARNED_BREAKS.clear()
+    found = _fit_with_a_break_in_each_block(tmp_path, "all", compile_blocks=compile_blocks)
+    assert len(found) == 1, found
+    assert "torch.compiler.disable" in found[0] and "_outside_the_compiler" in found[0]
+    assert "policy='none'" in found[0] and "blocks=" in found[0]
+    compiled._WARNED_BREAKS.clear()
+    torch._dynamo.reset()
+    assert _fit_with_a_break_in_each_block(tmp_path, "none", compile_blocks=compile_blocks) == []
