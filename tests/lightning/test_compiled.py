@@ -284,3 +284,22 @@ def test_a_graph_break_inside_checkpointed_blocks_is_named_once(tmp_path, compil
     compiled._WARNED_BREAKS.clear()
     torch._dynamo.reset()
     assert _fit_with_a_break_in_each_block(tmp_path, "none", compile_blocks=compile_blocks) == []
+
+
+def test_breaks_named_by_a_higher_order_op_are_the_checkpoints_own():
+    """Only breaks counted since ``before`` are taken; when dynamo's reason names the checkpoint's higher-order op
+    (transformers 5.25's "HOP: Unsafe side effect"), the others are left to the model."""
+    from torch._dynamo.utils import counters
+
+    from lightning_ckpt.lightning.compiled import checkpoint_graph_breaks, graph_breaks_so_far
+
+    counters["graph_break"].clear()
+    counters["graph_break"]["an old break"] += 1
+    before = graph_breaks_so_far()
+    assert checkpoint_graph_breaks(before) == []
+    counters["graph_break"]["a break of the model's own"] += 1
+    assert checkpoint_graph_breaks(before) == ["a break of the model's own"]
+    counters["graph_break"]["HOP: Unsafe side effect\n  Explanation: mutated a context variable"] += 1
+    counters["graph_break"]["an old break"] += 1
+    assert checkpoint_graph_breaks(before) == ["HOP: Unsafe side effect\n  Explanation: mutated a context variable"]
+    counters["graph_break"].clear()
