@@ -129,6 +129,7 @@ class CheckpointingEngine:
         self.last_metrics: Dict[str, float] = {}
         self.last_result: Optional[StepResult] = None  # the last *measured* step's (the report's), this fit
         self._last_step: Optional[tuple] = None  # (Lightning's step, logged) of last_result
+        self._settling = False  # the step in flight settles what logged reference steps are owed (_settle_owed)
         self._owed: list = []  # logged reference steps whose time and throughput wait for an ordinary step's
         self._pending: Optional[Dict[str, Any]] = None  # restored state waiting for the plan to exist
         self._budget_state: Optional[Dict[str, Any]] = None  # a budget's saved calibration, for fit start
@@ -380,6 +381,8 @@ class CheckpointingEngine:
             if self.gate is not None:  # the threshold for this batch's shape, before its forward
                 self.gate.before_micro_batch(trainer, batch, first=True)
             self._logging, self._deciding = self._step_kind(trainer)
+            # owed the time of a logged reference step: timed, and its figures reduced (not logged) at its end
+            self._settling = bool(self._owed)
             # block hooks measure the calibration steps: compiled code runs eagerly for them; the fit's first step is
             # measured for the report (a fit shorter than log_every_n_steps logs none)
             first = self.settings.measure and self.settings.report and self.last_result is None

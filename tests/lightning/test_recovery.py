@@ -610,7 +610,8 @@ class SyncCounter(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self.engine_of(trainer)
-        self.last = (self.last[0], engine._logging, engine._deciding, self.last[1])
+        # a step settling a logged reference step's time reduces it across ranks: it is busy too
+        self.last = (self.last[0], engine._logging or engine._settling, engine._deciding, self.last[1])
 
     def on_train_end(self, trainer, pl_module):
         import json
@@ -659,7 +660,7 @@ class SyncDebugOnQuietSteps(Callback):
         self.engine, self.quiet_steps = cb._engine, 0
 
     def _quiet(self) -> bool:
-        return not (self.engine._logging or self.engine._deciding)
+        return not (self.engine._logging or self.engine._deciding or self.engine._settling)
 
     def _guard(self, fn, quiet):
         def run(*args, **kwargs):
