@@ -22,12 +22,14 @@ What must hold in every cell:
   while stronger policies exist, and never says "rung".
 
 The default run takes a seeded sample of two eager cells and one compiled cell per phase, and an error raised in a
-compiled, checkpointed forward and replay of the whole model; ``-m slow`` runs the whole matrix.
+compiled, checkpointed forward and replay of the whole model; ``-m slow`` runs 64 more, seeded
+(``LIGHTNING_CKPT_FULL_MATRIX=1``: every cell).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import traceback
 
@@ -296,8 +298,13 @@ def test_an_oom_in_every_phase_sampled(tmp_path, tmp_path_factory, phase, accumu
     _check(tmp_path, tmp_path_factory, phase, accumulation, on_oom, auto, micro, compiled)
 
 
+# the slow tier: a further seeded sample (CI stays well under its hour); LIGHTNING_CKPT_FULL_MATRIX=1 runs every cell
+_REST = [c for c in ALL if c not in SAMPLE]
+REST = _REST if os.environ.get("LIGHTNING_CKPT_FULL_MATRIX") else random.Random(35).sample(_REST, 64)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("phase, accumulation, on_oom, auto, micro, compiled", [c for c in ALL if c not in SAMPLE])
+@pytest.mark.parametrize("phase, accumulation, on_oom, auto, micro, compiled", REST)
 def test_an_oom_in_every_phase_the_rest_of_the_matrix(tmp_path, tmp_path_factory, phase, accumulation, on_oom, auto,
                                                       micro, compiled):
     _check(tmp_path, tmp_path_factory, phase, accumulation, on_oom, auto, micro, compiled)
