@@ -182,6 +182,7 @@ class AlternateAndTime(Callback):
         self.marks: List[float] = []
         self.cpu_marks: List[float] = []
         self.measured: List[bool] = []
+        self._seen = None  # the callback's last measured step, as the previous step left it
         self.end_before: List[float] = []
 
     def _mark(self) -> None:
@@ -191,9 +192,10 @@ class AlternateAndTime(Callback):
         self.cpu_marks.append(time.process_time())
 
     def _record_previous(self) -> None:
-        if self.marks:  # the previous step is complete: did the callback measure it?
-            result = self.cb.last_result
-            self.measured.append(result is not None and result.ledger is not None)
+        if self.marks:  # the previous step is complete: did the callback measure it? (its last measured step moved)
+            step = getattr(self.cb._engine, "_last_step", None)
+            self.measured.append(step is not None and step != self._seen)
+            self._seen = step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._record_previous()
