@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["CHECKPOINT_BREAK_WARNING", "CUDA_GRAPHS_WARNING", "blocks_in_one_compiled_graph",
            "checkpoint_graph_breaks", "compile_blocks_one_by_one", "compiled_block_caller", "cuda_graphs_in_use",
-           "graph_breaks_so_far", "room_for_plans", "warn_checkpoint_graph_breaks", "warn_cuda_graphs_once"]
+           "graph_breaks_so_far", "model_compiles", "room_for_plans", "warn_checkpoint_graph_breaks",
+           "warn_cuda_graphs_once"]
 
 CUDA_GRAPHS_WARNING = (
     "lightning_ckpt: to measure peak allocated/reserved memory, compile without CUDA graphs (mode='default' or "
@@ -277,6 +278,11 @@ def checkpoint_graph_breaks(before: Dict[str, int]) -> List[str]:
 _WARNED_BREAKS: set = set()
 
 
+def model_compiles(pl_module: nn.Module) -> bool:
+    """Whether any part of the model runs under ``torch.compile`` (the whole module or some of its submodules)."""
+    return any(True for _ in _contexts(pl_module))
+
+
 def warn_checkpoint_graph_breaks(pl_module: nn.Module, num_checkpointed: int, before: Dict[str, int]) -> Dict[str, int]:
     """After a training step: :data:`CHECKPOINT_BREAK_WARNING` (rank zero, once per reason per process) when blocks
     run checkpointed under ``torch.compile`` and dynamo broke the graph inside them since ``before``, which would
@@ -289,7 +295,7 @@ def warn_checkpoint_graph_breaks(pl_module: nn.Module, num_checkpointed: int, be
     """
     reasons = [r for r in checkpoint_graph_breaks(before) if r not in _WARNED_BREAKS]
     now = graph_breaks_so_far()
-    if not reasons or num_checkpointed <= 0 or not any(True for _ in _contexts(pl_module)):
+    if not reasons or num_checkpointed <= 0 or not model_compiles(pl_module):
         return now
     _WARNED_BREAKS.update(reasons)
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn

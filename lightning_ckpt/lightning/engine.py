@@ -52,6 +52,7 @@ from lightning_ckpt.lightning.compiled import (
     compiled_block_caller,
     cuda_graphs_in_use,
     graph_breaks_so_far,
+    model_compiles,
     room_for_plans,
     warn_checkpoint_graph_breaks,
     warn_cuda_graphs_once,
@@ -226,7 +227,8 @@ class CheckpointingEngine:
         graphs = cuda_graphs_in_use(pl_module) if device.type == "cuda" else None  # the allocator's lines: see there
         if graphs is not None:
             warn_cuda_graphs_once(graphs)
-        self._breaks_before = graph_breaks_so_far()  # compared after each step (see batch_end)
+        # compared after each step (see batch_end), only where something is compiled: no work on eager steps
+        self._breaks_before = graph_breaks_so_far() if model_compiles(pl_module) else None
         self.monitor = StepMonitor(device, tokens_fn=s.tokens_fn, capacity=self.capacity,
                                    exact_every_n_steps=s.exact_every_n_steps, allocator_note=graphs)
         self.monitor.watch(pl_module)
