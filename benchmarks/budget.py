@@ -1,16 +1,30 @@
-"""Does ``budget:`` pick a plan that fits, and is it as fast as the best simple plan that fits?
+"""Speed is not the price of safety (issue 33): ``budget:`` run as a user runs it, against the fastest fixed policy
+that fits, at 25, 50 and 75 % of the way from ``all`` to ``none``.
 
-One process, one model, one batch. Candidates: ``first:K`` for every K, ``every:N`` for N = 2…L/2, ``all``.
-Each candidate's activation peak is measured with :class:`lightning_ckpt.measure.meter.StepMeter` (the figure the
-budget is about); the budget calibration (:class:`lightning_ckpt.decide.budget.BudgetCalibration`) runs exactly as
-the callback drives it; then every fitting candidate and the chosen plan are timed in interleaved rounds
-(median of per-round ratios to the chosen plan).
+Everything goes through the public API, in one process: every configuration is a ``lightning.Trainer`` fitting its
+own copy of the model (same weights, same batch) with ``ActivationCheckpointing(policy=...)`` and the callback's
+defaults, stepped one step at a time from the main thread (``benchmarks/_trainer.py``), so the steps of all
+configurations interleave (A/B/A/B, the order rotated every round).
 
-Targets (issue "Auto-toggle and budget"): the chosen plan's measured peak ≤ budget, and its step time within
-3 % of the fastest fitting candidate.
+1. **Anchors**: the fixed policies ``none``, ``all``, ``selective``, ``every:N`` (N = 2 … L/2) and ``first:K``
+   (K = 1 … L-1). Each runs two steps with every step measured; its activation bytes are the callback's own figure
+   of the second (``callback.last_metrics["memory/activations_gib"]``: the figure the budget is about).
+2. **Budgets**: ``all + p × (none − all)`` for p in ``--positions`` (default 0.25, 0.5, 0.75), in bytes.
+3. **Ours**: ``ActivationCheckpointing(policy="budget:<bytes>")``, stepped until its calibration is over (the
+   calibration's steps are counted and timed apart, never in the verdict), then one more step.
+4. **The same plan, fixed**: ``policy="modes:<the plan ours runs>"``: the plan without the budget's machinery, so
+   that a difference splits into the plan's choice (fixed / anchor) and the callback's own per-step work
+   (ours / fixed).
+5. One untimed round, then ``--rounds`` timed rounds of one step each for every configuration. Per round, ours /
+   the fastest fitting anchor (the fitting anchor with the lowest median), then the median over rounds.
 
-    python benchmarks/budget.py                 # demo GPT 12 x 512, batch 4 x 512, budget half-way
-    python benchmarks/budget.py --quick         # tiny model, a smoke run
+Verdict per budget: **PASS** when that median ratio is ≤ 1.00, else **MISS** with its number. Printed beside it:
+the worst step's activations against the budget (calibration included; the end-of-fit report's ``budget`` figures),
+the calibration's length in steps and seconds, and the time spent pricing shapes on fake tensors.
+
+    python benchmarks/budget.py                       # demo GPT and HF Llama, 6 x 256, micro-batch 4 x 256
+    python benchmarks/budget.py --models gpt --rounds 11
+    python benchmarks/budget.py --quick               # 4 x 128, micro-batch 2 x 128, 2 rounds (smoke)
 """
 
 from __future__ import annotations
@@ -18,111 +32,258 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
-from typing import Dict, List, Optional
+import time
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import build_gpt, header_lines, load_average, median, mib, timed_step  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _trainer as T  # noqa: E402
+from _common import header_lines, load_average  # noqa: E402
 
-from lightning_ckpt import apply_policy  # noqa: E402
-from lightning_ckpt.decide.budget import BudgetCalibration  # noqa: E402
-from lightning_ckpt.demos.gpt import GPTConfig  # noqa: E402
-from lightning_ckpt.measure.meter import StepMeter  # noqa: E402
+MiB = 2**20
+TARGET = 1.00
+FRAMEWORK = {"all": "torchtitan full"}  # the other frameworks' name for the same fixed plan (frontier.py prints it)
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, few rounds")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--reps", type=int, default=5, help="timing rounds")
-    p.add_argument("--position", type=float, default=0.5,
-                   help="budget = all + position x (none - all) activation peak (default 0.5)")
-    p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+def build(name: str, layers: int, width: int, seq: int, vocab: int = 512):
+    """The demo GPT or a Hugging Face Llama built from its config (no download), dropout off."""
+    from lightning_ckpt.demos import GPTLightningModule, HFCausalLMModule
+
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPTLightningModule(n_layer=layers, n_embd=width, n_head=8, block_size=seq, dropout=0.0,
+                                  vocab_size=vocab)
+    if name == "llama":
+        return HFCausalLMModule(arch="llama", n_layer=layers, n_embd=width, n_head=8, n_positions=seq,
+                                vocab_size=vocab, dropout=0.0)
+    raise ValueError(f"--models: unknown model {name!r}; choose among 'gpt' and 'llama'.")
+
+
+def anchor_policies(blocks: int) -> List[str]:
+    """The fixed anchor policies for a model of ``blocks`` blocks (``none`` first: the reference)."""
+    return (["none", "all", "selective"] + [f"every:{n}" for n in range(2, blocks // 2 + 1)]
+            + [f"first:{k}" for k in range(1, blocks)])
+
+
+def framework_name(policy: str) -> str:
+    """The anchor's name in the frameworks that ship it (torchtitan, Megatron, Hugging Face), where one does."""
+    if policy.startswith("first:"):
+        return f"Megatron block {policy[6:]}"
+    if policy.startswith("every:"):
+        return f"HF every_n_layers={policy[6:]}"
+    return FRAMEWORK.get(policy, "")
+
+
+def mix(modes: Sequence[str]) -> str:
+    """``('off', 'recompute', 'recompute')`` → ``'1 off, 2 recompute'``."""
+    counts = Counter(modes)
+    return ", ".join(f"{counts[m]} {m}" for m in sorted(counts, key=lambda m: (m != "off", m)))
+
+
+def _ratio_text(value: float) -> str:
+    """A ratio with enough digits that a miss never reads as 1.000."""
+    text = f"{value:.3f}"
+    return f"{value:.4f}" if value > TARGET and float(text) <= TARGET else text
+
+
+def verdict(ratio: float) -> str:
+    return f"{'PASS' if ratio <= TARGET else 'MISS'} {_ratio_text(ratio)}"
+
+
+def measure_anchor(runner: T.Runner) -> int:
+    """Two steps, both measured; the callback's activation figure of the second."""
+    trainer = runner.trainer
+    every, trainer.log_every_n_steps = trainer.log_every_n_steps, 1
+    try:
+        runner.run(2)
+    finally:
+        trainer.log_every_n_steps = every
+    value = T.measured_activations(runner)
+    if value is None:
+        raise RuntimeError(f"{runner.name}: the callback measured no step; is measure=True?")
+    return value
+
+
+def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[str], None] = print
+             ) -> Dict[str, Any]:
+    module = build(model_name, args.layers, args.width, args.seq)
+    batch = module.example_batch(args.micro_batch, args.seq)
+    blocks = len(T.block_names(module))
+
+    def get(i: int):
+        return batch
+
+    def runner(name: str, policy: str) -> T.Runner:
+        return T.Runner(name, module, get, dict(policy=policy), precision=precision)
+
+    log(f"\n{model_name}: {blocks} blocks x {args.width}, micro-batch {args.micro_batch} x {args.seq}, {precision}; "
+        f"load average {load_average()}")
+    anchors = {p: runner(p, p) for p in anchor_policies(blocks)}
+    act = {p: measure_anchor(r) for p, r in anchors.items()}
+    low, high = act["all"], act["none"]
+    budgets = {pos: round(low + pos * (high - low)) for pos in args.positions}
+    loosest = max(budgets.values())
+    for p in [p for p in anchors if p != "none" and act[p] > loosest]:  # fits no budget: not timed
+        anchors.pop(p).finish()
+
+    ours: Dict[float, T.Runner] = {}
+    calibration: Dict[float, Dict[str, Any]] = {}
+    for pos, budget in budgets.items():
+        r = runner(f"budget {pos:.0%}", f"budget:{budget}")
+        t0 = time.perf_counter()
+        while r.calibrating and len(r.times) < args.max_calibration:
+            r.run(1)
+        calibration[pos] = dict(steps=len(r.times), step_seconds=sum(r.times), wall=time.perf_counter() - t0,
+                                over=r.calibrating)
+        r.run(1)  # the first step after the calibration: its plan, to be run fixed beside it
+        ours[pos] = r
+        log(f"  budget {pos:.0%} = {budget / MiB:.2f} MiB: calibrated in {len(r.times) - 1} steps "
+            f"({calibration[pos]['step_seconds']:.1f} s); plan {mix(r.modes[-1])}")
+    fixed = {pos: runner(f"fixed {pos:.0%}", "modes:" + ",".join(r.modes[-1])) for pos, r in ours.items()}
+    for r in fixed.values():
+        r.run(1)  # the first step is measured: the plan's own activation figure
+    fixed_act = {pos: T.measured_activations(r) for pos, r in fixed.items()}
+
+    everyone = [*anchors.values(), *ours.values(), *fixed.values()]
+    start = {r.name: len(r.times) for r in everyone}
+    wall, cpu = T.interleave(everyone, args.rounds, warmup=1)
+    timed_modes = {pos: sorted(set(r.modes[start[r.name] + 1:])) for pos, r in ours.items()}
+    for r in [*anchors.values(), *fixed.values()]:
+        r.finish()
+    figures = {}
+    for pos, r in ours.items():
+        r.finish()
+        figures[pos] = r.report_json().get("budget") or {}
+
+    rows = []
+    for pos, budget in budgets.items():
+        name = ours[pos].name
+        fitting = [p for p in anchors if act[p] <= budget]
+        fastest = min(fitting, key=lambda p: statistics.median(wall[p])) if fitting else None
+        row = dict(position=pos, budget=budget, modes=list(ours[pos].modes[-1]),
+                   modes_timed=[list(m) for m in timed_modes[pos]], ours_s=statistics.median(wall[name]),
+                   ours_mean_s=statistics.mean(wall[name]), fixed_activations=fixed_act[pos],
+                   calibration=calibration[pos], report=figures[pos], fastest=fastest,
+                   fitting=fitting)
+        row["vs_fixed"] = T.paired(wall[name], wall[fixed[pos].name])
+        if fastest is not None:
+            row.update(fastest_s=statistics.median(wall[fastest]), fastest_mean_s=statistics.mean(wall[fastest]),
+                       ratio=T.paired(wall[name], wall[fastest]), cpu_ratio=T.paired(cpu[name], cpu[fastest]),
+                       fixed_vs_fastest=T.paired(wall[fixed[pos].name], wall[fastest]),
+                       ratio_of_means=statistics.mean(wall[name]) / statistics.mean(wall[fastest]))
+            row["verdict"] = verdict(row["ratio"][0])
+        else:
+            row["verdict"] = "no anchor fits"
+        rows.append(row)
+    return dict(model=model_name, precision=precision, blocks=blocks, width=args.width, seq=args.seq,
+                micro_batch=args.micro_batch, rounds=args.rounds, activations=act, rows=rows,
+                anchors={p: dict(activations=act[p], median_s=statistics.median(wall[p]),
+                                 range_s=[min(wall[p]), max(wall[p])]) for p in anchors})
+
+
+def print_case(res: Dict[str, Any], log: Callable[[str], None] = print) -> None:
+    act = res["activations"]
+    log(f"\n{res['model']} {res['blocks']} x {res['width']}, micro-batch {res['micro_batch']} x {res['seq']}, "
+        f"{res['precision']}: activations all {act['all'] / MiB:.2f} MiB, none {act['none'] / MiB:.2f} MiB "
+        f"(the callback's per-step figure); {res['rounds']} interleaved rounds, medians")
+    log(f"{'budget':>15}  {'our plan after calibration':<32}{'ours ms':>8}  {'fastest fitting anchor':<12}"
+        f"{'ms':>7}  {'ratio (rounds)':<22}{'cpu':>6}  {'verdict':<11}{'worst step / budget':>22}"
+        f"{'calib':>7}{'pricing':>9}")
+    for r in res["rows"]:
+        rep = r["report"]
+        worst = (f"{rep['worst_step'] / MiB:.2f} MiB {rep['worst_step_ratio']:.3f}x" if rep.get("worst_step")
+                 else "-")
+        calib = f"{rep.get('calibration_steps', r['calibration']['steps'])}"
+        pricing = f"{rep['pricing_s']:.1f} s" if rep.get("pricing_s") is not None else "-"
+        if r["fastest"] is not None:
+            ratio = f"{_ratio_text(r['ratio'][0])} ({r['ratio'][1]:.2f}-{r['ratio'][2]:.2f})"
+            anchor = f"{r['fastest']:<12}{r['fastest_s'] * 1e3:>7.0f}"
+            cpu = f"{r['cpu_ratio'][0]:>6.3f}"
+        else:
+            ratio, anchor, cpu = "-", f"{'-':<12}{'':>7}", f"{'':>6}"
+        log(f"{r['position']:>4.0%} {r['budget'] / MiB:>6.2f} MiB  {mix(r['modes']):<32}{r['ours_s'] * 1e3:>8.0f}  "
+            f"{anchor}  {ratio:<22}{cpu}  {r['verdict']:<11}{worst:>22}{calib:>7}{pricing:>9}")
+    log("where the time goes (median of per-round ratios):")
+    for r in res["rows"]:
+        parts = [f"ours / the same plan fixed ({mix(r['modes'])}) {_ratio_text(r['vs_fixed'][0])} "
+                 f"({r['vs_fixed'][1]:.2f}-{r['vs_fixed'][2]:.2f})"]
+        if r["fastest"] is not None:
+            parts.append(f"that fixed plan / {r['fastest']} {_ratio_text(r['fixed_vs_fastest'][0])}")
+            parts.append(f"ratio of means {_ratio_text(r['ratio_of_means'])}")
+        fixed = r["fixed_activations"]
+        if fixed is not None:
+            parts.append(f"the plan's activations {fixed / MiB:.2f} MiB")
+        if len(r["modes_timed"]) > 1:
+            parts.append("plan changed during the timed rounds: " + " / ".join(mix(m) for m in r["modes_timed"]))
+        cal = r["calibration"]
+        parts.append(f"calibration {cal['steps']} steps in {cal['step_seconds']:.1f} s"
+                     + (" (NOT finished)" if cal["over"] else ""))
+        log(f"  {r['position']:>4.0%}: " + "; ".join(parts))
+    log("anchors: " + "; ".join(f"{p}{' (' + framework_name(p) + ')' if framework_name(p) else ''} "
+                                f"{v['activations'] / MiB:.2f} MiB {v['median_s'] * 1e3:.0f} ms"
+                                for p, v in res["anchors"].items()))
+
+
+def parse_positions(text: str) -> List[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"--positions {text!r}: give fractions between 0 and 1, e.g. 0.25,0.5,0.75")
+    return values
+
+
+def add_size_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=None, help="blocks (default 6; --quick 4)")
+    p.add_argument("--width", type=int, default=None, help="hidden width (default 256; --quick 128)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 256; --quick 128)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default 4; --quick 2)")
+    p.add_argument("--rounds", type=int, default=None, help="timed interleaved rounds (default 7; --quick 2)")
+    p.add_argument("--max-calibration", type=int, default=80, help="give up waiting for the calibration after this "
+                                                                    "many steps (reported as not finished)")
+    p.add_argument("--quick", action="store_true", help="4 x 128, micro-batch 2 x 128, 2 rounds: a smoke run")
+
+
+def resolve_sizes(args: argparse.Namespace) -> None:
+    small = dict(layers=4, width=128, seq=128, micro_batch=2, rounds=2)
+    full = dict(layers=6, width=256, seq=256, micro_batch=4, rounds=7)
+    for key, value in (small if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
-    cfg = GPTConfig.tiny() if args.quick else GPTConfig.benchmark()
-    batch, seq = (2, 64) if args.quick else (args.batch, args.seq)
-    reps = 2 if args.quick else args.reps
-    print("\n".join(header_lines(argv if argv is not None else sys.argv)))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt,llama")
+    p.add_argument("--positions", type=parse_positions, default=[0.25, 0.5, 0.75],
+                   help="budgets as fractions of the way from all to none (default 0.25,0.5,0.75)")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--json", default=None)
+    add_size_arguments(p)
+    args = p.parse_args(argv)
+    resolve_sizes(args)
+    T.quiet()
+    print("\n".join(header_lines([os.path.relpath(__file__), *(sys.argv[1:] if argv is None else argv)])))
     print(f"load average at start: {load_average()}")
-    model = build_gpt(cfg)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    plan = apply_policy(model, "none")
-    meter = StepMeter("cpu", model=model)
-    L = plan.num_blocks
-
-    def step():
-        return model(idx, idx)[1]
-
-    def peak(modes) -> int:
-        plan.set_modes(modes)
-        model.zero_grad(set_to_none=True)
-        meter.start_step()
-        step().backward()
-        return meter.stop_step().activations
-
-    peak(["off"] * L)  # warm-up and replay calibration of the meter
-    candidates: Dict[str, tuple] = {f"first:{k}": tuple("recompute" if i < k else "off" for i in range(L))
-                                    for k in range(L + 1)}
-    candidates.update({f"every:{n}": tuple("recompute" if i % n == 0 else "off" for i in range(L))
-                       for n in range(2, L // 2 + 1)})
-    candidates["all"] = ("recompute",) * L
-    peaks = {name: peak(list(modes)) for name, modes in candidates.items()}
-    budget = int(peaks["all"] + args.position * (peaks["first:0"] - peaks["all"]))
-
-    calibration = BudgetCalibration(plan, meter, budget)
-    while not calibration.done:
-        calibration.begin_step()
-        model.zero_grad(set_to_none=True)
-        meter.start_step()
-        step().backward()
-        calibration.end_step(meter.stop_step().activations)
-    chosen_modes = tuple(plan.modes)
-    chosen_peak = peak(list(chosen_modes))
-    for line in calibration.messages:
-        print(line)
-
-    fitting = {n: m for n, m in candidates.items() if peaks[n] <= budget}
-    timed = dict(fitting, chosen=chosen_modes)
-    times: Dict[str, List[float]] = {n: [] for n in timed}
-    for _ in range(1):  # warm-up round
-        for modes in timed.values():
-            plan.set_modes(list(modes))
-            timed_step(model, step)
-    for r in range(reps):
-        order = list(timed) if r % 2 == 0 else list(reversed(timed))
-        for name in order:
-            plan.set_modes(list(timed[name]))
-            times[name].append(timed_step(model, step).total)
-    ratio = {n: median([a / b for a, b in zip(times[n], times["chosen"])]) for n in timed}
-    best = min(fitting, key=lambda n: ratio[n]) if fitting else None
-
-    print(f"\nmodel {L} blocks x width {cfg.n_embd}, batch {batch} x seq {seq}; budget {mib(budget):.1f} MiB "
-          f"(all {mib(peaks['all']):.1f}, none {mib(peaks['first:0']):.1f})")
-    print(f"{'plan':<12}{'ckpt':>6}{'act MiB':>10}{'fits':>6}{'median s':>10}{'time/chosen':>13}")
-    for name in list(candidates) + ["chosen"]:
-        modes = chosen_modes if name == "chosen" else candidates[name]
-        act = chosen_peak if name == "chosen" else peaks[name]
-        t = f"{median(times[name]):>10.3f}{ratio[name]:>13.3f}" if name in times else f"{'-':>10}{'-':>13}"
-        print(f"{name:<12}{sum(m != 'off' for m in modes):>6}{mib(act):>10.1f}{str(act <= budget):>6}{t}")
-    ok_fit = chosen_peak <= budget
-    verdict = "PASS" if ok_fit else "MISS"
-    print(f"\n{verdict}  chosen plan fits: {mib(chosen_peak):.1f} MiB <= budget {mib(budget):.1f} MiB")
-    if best is not None:
-        speed = 1.0 / ratio[best]  # chosen time / best time
-        print(f"{'PASS' if speed <= 1.03 else 'MISS'}  chosen plan time / fastest fitting simple plan ({best}) = "
-              f"{speed:.3f} (median of {reps} rounds) <= 1.03")
+    results = []
+    for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+        res = run_case(model, args, args.precision)
+        print_case(res)
+        results.append(res)
+    verdicts = [r["verdict"] for res in results for r in res["rows"]]
+    print(f"\nsummary: {sum(v.startswith('PASS') for v in verdicts)}/{len(verdicts)} budgets PASS (ours <= "
+          f"{TARGET:.2f} x the fastest fitting anchor), {sum(v.startswith('MISS') for v in verdicts)} MISS; every "
+          "step within the budget: "
+          f"{all((r['report'].get('worst_step_ratio') or 0) <= 1.0 for res in results for r in res['rows'])}")
     print(f"load average at end: {load_average()}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"budget": budget, "peaks": peaks, "chosen": list(chosen_modes), "chosen_peak": chosen_peak,
-                       "times": times, "ratio_to_chosen": ratio, "best": best}, fh, indent=2)
+            json.dump(results, fh, indent=2)
     return 0
 
 
