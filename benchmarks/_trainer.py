@@ -87,8 +87,10 @@ class Runner:
         self.root = tempfile.mkdtemp(prefix="lckpt_bench_")
         self.times: List[float] = []  # seconds of every step, in order
         self.cpu: List[float] = []  # process CPU seconds of every step (one runner computes at a time)
+        self.spans: List[Tuple[float, float]] = []  # (start, end) of every step, perf_counter seconds
         self.activations: List[Optional[int]] = []  # the step's measured activation bytes, None when not measured
         self.modes: List[tuple] = []  # the plan each step ran
+        self.metrics: List[Optional[Dict[str, float]]] = []  # the callback's figures of each measured step, else None
         self.error: Optional[BaseException] = None
         self._left = 0
         self._stop = False
@@ -122,7 +124,9 @@ class Runner:
                 runner._running = tuple(plan.modes) if plan is not None else ()
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                seconds = time.perf_counter() - runner._t0
+                end = time.perf_counter()
+                seconds = end - runner._t0
+                runner.spans.append((runner._t0, end))
                 runner.cpu.append(time.process_time() - runner._c0)
                 runner.times.append(seconds)
                 metrics = runner.callback.last_metrics
@@ -130,6 +134,7 @@ class Runner:
                 runner._last_metrics = metrics
                 reading = metrics.get(ACTIVATIONS) if measured else None
                 runner.activations.append(None if reading is None else round(reading * GiB))
+                runner.metrics.append(dict(metrics) if measured else None)
                 runner.modes.append(runner._running)
                 runner._left -= 1
                 if runner._left == 0:

@@ -182,15 +182,18 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
     return dict(model=model_name, precision=precision, blocks=blocks, width=args.width, seq=args.seq,
                 micro_batch=args.micro_batch, rounds=args.rounds, activations=act, rows=rows,
                 anchors={p: dict(activations=act[p], median_s=statistics.median(wall[p]),
-                                 range_s=[min(wall[p]), max(wall[p])]) for p in anchors})
+                                 range_s=[min(wall[p]), max(wall[p])], modes=list(r.modes[-1]))
+                         for p, r in anchors.items()})
 
 
-def print_case(res: Dict[str, Any], log: Callable[[str], None] = print) -> None:
+def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: Callable[[str], str] = str) -> None:
+    """The table (``label`` names an anchor policy in it, e.g. with the frameworks' names)."""
     act = res["activations"]
     log(f"\n{res['model']} {res['blocks']} x {res['width']}, micro-batch {res['micro_batch']} x {res['seq']}, "
         f"{res['precision']}: activations all {act['all'] / MiB:.2f} MiB, none {act['none'] / MiB:.2f} MiB "
         f"(the callback's per-step figure); {res['rounds']} interleaved rounds, medians")
-    log(f"{'budget':>15}  {'our plan after calibration':<32}{'ours ms':>8}  {'fastest fitting anchor':<12}"
+    width = max([12] + [len(label(r["fastest"])) for r in res["rows"] if r["fastest"] is not None])
+    log(f"{'budget':>15}  {'our plan after calibration':<32}{'ours ms':>8}  {'fastest fitting anchor':<{width}}"
         f"{'ms':>7}  {'ratio (rounds)':<22}{'cpu':>6}  {'verdict':<11}{'worst step / budget':>22}"
         f"{'calib':>7}{'pricing':>9}")
     for r in res["rows"]:
@@ -201,10 +204,10 @@ def print_case(res: Dict[str, Any], log: Callable[[str], None] = print) -> None:
         pricing = f"{rep['pricing_s']:.1f} s" if rep.get("pricing_s") is not None else "-"
         if r["fastest"] is not None:
             ratio = f"{_ratio_text(r['ratio'][0])} ({r['ratio'][1]:.2f}-{r['ratio'][2]:.2f})"
-            anchor = f"{r['fastest']:<12}{r['fastest_s'] * 1e3:>7.0f}"
+            anchor = f"{label(r['fastest']):<{width}}{r['fastest_s'] * 1e3:>7.0f}"
             cpu = f"{r['cpu_ratio'][0]:>6.3f}"
         else:
-            ratio, anchor, cpu = "-", f"{'-':<12}{'':>7}", f"{'':>6}"
+            ratio, anchor, cpu = "-", f"{'-':<{width}}{'':>7}", f"{'':>6}"
         log(f"{r['position']:>4.0%} {r['budget'] / MiB:>6.2f} MiB  {mix(r['modes']):<32}{r['ours_s'] * 1e3:>8.0f}  "
             f"{anchor}  {ratio:<22}{cpu}  {r['verdict']:<11}{worst:>22}{calib:>7}{pricing:>9}")
     log("where the time goes (median of per-round ratios):")

@@ -1,49 +1,40 @@
-"""Issue 14: our per-block budget plan against the anchors' fixed modes, at 8 budgets, side by side in one process.
+"""Issue 14 / issue 33: our ``budget:`` plan against the fixed modes the frameworks ship, at budgets between ``all`` and
+``none``, side by side in one process; with ``--compile``, against torch.compile's own activation memory budget.
 
-For each model (the benchmark GPT at a CPU size, a Hugging Face Llama built from its config) and precision
-(float32, bf16 autocast):
+**Eager rows** (the default): for each model (the demo GPT, a Hugging Face Llama built from its config) and precision,
+``benchmarks/budget.py``'s comparison, run as a user runs the plugin: every configuration is a ``lightning.Trainer``
+with ``ActivationCheckpointing(policy=...)`` on its own copy of the model, the steps of all of them interleaved one by
+one (``benchmarks/_trainer.py``). Budgets at ``--positions`` of the way from ``all``'s to ``none``'s activation figure
+(the callback's own per-step figure; default 25, 50 and 75 %); ours is ``policy="budget:<bytes>"``, timed after its
+calibration; the anchors are the fixed policies with the frameworks' names beside them: ``all`` (torchtitan
+``full``), ``first:K`` (Megatron ``full``/``block`` over K layers), ``every:N`` (Hugging Face ``every_n_layers``),
+``selective`` (the plugin's op-level selective: matmul and attention outputs kept, pointwise ops recomputed) and
+``none``. Per budget: ours / the fastest fitting anchor, the median of per-round ratios; PASS at ≤ 1.00, else MISS
+with its number; "(the same plan)" where our plan is that anchor's own plan (a ratio between the same computation is
+the machine's noise and the callback's per-step work). Beside it: the worst step against the budget (calibration
+included), the calibration's steps and the pricing time, from the callback's end-of-fit report.
 
-1. Measure ``none`` and ``all`` (PyTorch's MemTracker, the running peak of its ACT line: not our meter) and put
-   ``--budgets`` budgets evenly between the two activation peaks.
-2. Our plan at each budget: the plugin calibrates (:class:`lightning_ckpt.decide.budget.BudgetCalibration`),
-   :func:`lightning_ckpt.decide.budget.plan_budget` chooses the per-block mix, and the plan is applied with
-   ``CheckpointPlan.set_modes``.
-3. The anchors, implemented here from their public descriptions with plain ``torch.utils.checkpoint`` (not the
-   plugin):
-
-   - torchtitan ``full``: every block under non-reentrant checkpoint;
-   - torchtitan op-level selective: every block under selective checkpointing whose policy saves the outputs of
-     ``mm`` and the attention kernels, except every second ``mm`` (torchtitan's ``_op_sac_save_list`` policy);
-   - Megatron ``selective``: only the attention core (the SDPA / softmax / dropout / batched matmuls) recomputed;
-   - Megatron ``full`` ``block`` over N layers: the first N blocks checkpointed, N = 1 … L-1;
-   - Hugging Face ``every_n_layers`` (n = 2, 3): blocks 0, n, 2n, … checkpointed;
-   - ``none``.
-4. Every configuration's activation peak is measured by MemTracker, and its step (forward, backward, optimizer)
-   is timed in interleaved rounds (one untimed round first; medians and ranges reported). The fastest fitting
-   anchor is the one with the lowest median; the ratio is the median over rounds of our time over that anchor's
-   time in the same round (paired, so a slow drift of this shared machine cancels; its range is reported).
-
-Targets per budget: our plan's measured peak ≤ budget (fits), and its step time ≤ 1.00× the fastest anchor that
-fits (≤ 1.02× reads as a tie on this noisy machine). ``--compile [model,block,split]`` adds, per budget, the
-compiler's activation memory budget at the same fraction of ``none``'s peak against our plan compiled, for the whole
-model compiled, for blocks compiled one by one, and (``split``) for the user's whole-model compile, which the
-compiler's budget runs as one graph and our plan, with ``compile_blocks=True``, as one graph per block (memory
-there: the CPU allocator's activation peak, which sees inside a compiled graph; see :func:`compiled_rows`).
+**Compiled rows** (``--compile [model,block,split]``; these rows only): per budget, the compiler's activation memory
+budget at the fraction budget / ``none``'s peak against our plan compiled, for the whole model compiled, for blocks
+compiled one by one, and (``split``) for the user's whole-model compile, which the compiler's budget runs as one graph
+and our plan, as ``compile_blocks=True``, one graph per block. Memory there is the CPU allocator's activation peak
+(which sees inside a compiled graph; see :func:`compiled_rows`). Unlike the eager rows these drive the plugin's
+calibration directly (its internal classes, imported when ``--compile`` is given).
 
 Usage::
 
-    python benchmarks/frontier.py                    # both models, float32 and bf16 autocast, 8 budgets
-    python benchmarks/frontier.py --quick            # small models, 4 budgets, 2 rounds (smoke)
+    python benchmarks/frontier.py                                   # GPT and Llama 6 x 256, float32, 25/50/75 %
+    python benchmarks/frontier.py --budgets 8 --rounds 9            # 8 budgets evenly from all to none
+    python benchmarks/frontier.py --precisions bf16-mixed --quick   # bf16 autocast at 4 x 128
+    python benchmarks/frontier.py --quick                           # smoke: 4 x 128, 2 rounds
     python benchmarks/frontier.py --models gpt --precisions 32-true --compile           # model and block grain
     python benchmarks/frontier.py --small --models gpt --precisions 32-true --compile block
     python benchmarks/frontier.py --small --models gpt --precisions bf16-mixed --compile split  # compile_blocks
-    python benchmarks/frontier.py --small --precisions bf16-mixed --rounds 3   # bf16 autocast at a CPU size
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import os
@@ -54,127 +45,84 @@ import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import allocation_peaks, header_lines, measure_memory  # noqa: E402
+import _trainer as T  # noqa: E402
+import budget as B  # noqa: E402
+from _common import allocation_peaks, header_lines, load_average, measure_memory  # noqa: E402
 
 from lightning_ckpt.core.blocks import find_blocks  # noqa: E402
 from lightning_ckpt.core.units import MiB  # noqa: E402
 from lightning_ckpt.core.wrap import apply_policy, remove_checkpointing  # noqa: E402
-from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration, mode_mix, plan_budget  # noqa: E402
 from lightning_ckpt.forecast.load import lightning_step, make_optimizers, step_loss  # noqa: E402
 from lightning_ckpt.forecast.precision import parse_precision  # noqa: E402
 from lightning_ckpt.measure.meter import StepMeter  # noqa: E402
 
-aten = torch.ops.aten
 TIE = 1.02
 
 
-def build(name: str, quick: bool):
+def _budget_internals() -> types.SimpleNamespace:
+    """The plugin's calibration and solver, for the compiled rows only (the eager rows use the callback): found in
+    whichever of its modules holds them now (they are being moved between modules)."""
+    import importlib
+
+    found: Dict[str, Any] = {}
+    for name in ("lightning_ckpt.decide.calibration", "lightning_ckpt.decide.budget"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for attr in ("BudgetCalibration", "COMPILER_FRACTIONS", "plan_budget"):
+            if attr not in found and hasattr(module, attr):
+                found[attr] = getattr(module, attr)
+    return types.SimpleNamespace(**found)
+
+
+def mode_mix(modes: Sequence[str]) -> str:
+    return B.mix(modes)
+
+
+# ------------------------------------------------------------------------------------------ the eager rows
+
+
+def label(policy: str) -> str:
+    """``first:3`` → ``first:3 (Megatron block 3)``."""
+    other = B.framework_name(policy)
+    return f"{policy} ({other})" if other else policy
+
+
+def eager_case(model_name: str, precision: str, args) -> Dict[str, Any]:
+    """``benchmarks/budget.py``'s case, with each row marked where our plan is the fastest anchor's own plan."""
+    result = B.run_case(model_name, args, precision)
+    for row in result["rows"]:
+        fastest = row["fastest"]
+        row["same_plan"] = fastest is not None and row["modes"] == result["anchors"][fastest]["modes"]
+    return result
+
+
+def print_eager(result: Dict[str, Any]) -> None:
+    B.print_case(result, label=label)
+    same = [f"{r['position']:.0%}" for r in result["rows"] if r.get("same_plan")]
+    if same:
+        print(f"our plan is the fastest anchor's own plan at {', '.join(same)}: there the ratio is the machine's noise "
+              "and the callback's per-step work")
+
+
+# ------------------------------------------------------------------------------------------ the compiled rows
+
+
+def build(name: str, small: bool):
+    """The compiled rows' models: 4 x 128 (``--small``/``--quick``) or 8 x 256, sequence as long as the width."""
     from lightning_ckpt.demos import GPTLightningModule, HFCausalLMModule
 
-    layers, width, seq = (4, 128, 128) if quick else (8, 256, 256)
+    layers, width, seq = (4, 128, 128) if small else (8, 256, 256)
     if name == "gpt":
         return GPTLightningModule(n_layer=layers, n_embd=width, n_head=8, block_size=seq, dropout=0.0), seq
     return HFCausalLMModule(arch="llama", n_layer=layers, n_embd=width, n_head=8, n_positions=seq,
                             vocab_size=512), seq
 
 
-# ------------------------------------------------------------------------------------------ the anchors
-
-
-def _titan_op_sac_policy():
-    """torchtitan's op-level SAC: save compute-heavy ops' outputs, but recompute every second mm."""
-    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention.default}
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        save.add(aten._scaled_dot_product_flash_attention_for_cpu.default)  # the CPU's flash kernel
-    if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
-        save.add(aten._scaled_dot_product_cudnn_attention.default)
-
-    def context_fn():
-        counts = {"forward": 0, "recompute": 0}
-
-        def policy(ctx, func, *args, **kwargs):
-            mode = "recompute" if ctx.is_recompute else "forward"
-            if func == aten.mm.default:
-                counts[mode] += 1
-            to_save = func in save and not (func == aten.mm.default and counts[mode] % 2 == 0)
-            return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(policy)
-
-    return context_fn
-
-
-class MegatronSelective:
-    """Megatron's ``selective`` recompute: only the core attention is checkpointed (its inputs q, k, v kept, its
-    softmax / dropout / matmuls recomputed), the rest of the block runs with plain autograd. The core attention of
-    both models is ``F.scaled_dot_product_attention``, wrapped here for as long as the configuration runs."""
-
-    def __init__(self) -> None:
-        import torch.nn.functional as F
-
-        self._functional, self._original = F, F.scaled_dot_product_attention
-
-        def core_attention(*args, **kwargs):
-            if not torch.is_grad_enabled():
-                return self._original(*args, **kwargs)
-            return checkpoint(self._original, *args, use_reentrant=False, **kwargs)
-
-        F.scaled_dot_product_attention = core_attention
-
-    def remove(self) -> None:
-        self._functional.scaled_dot_product_attention = self._original
-
-
-def anchor_wrappers(num_blocks: int) -> Dict[str, Tuple[List[bool], Optional[Callable]]]:
-    """Anchor name → (which blocks are checkpointed, the ``context_fn`` — ``None`` for full recompute — or, for
-    Megatron selective, the class that wraps the core attention)."""
-    out: Dict[str, Tuple[List[bool], Optional[Callable]]] = {
-        "none": ([False] * num_blocks, None),
-        "torchtitan full": ([True] * num_blocks, None),
-        "torchtitan op-SAC": ([True] * num_blocks, _titan_op_sac_policy()),
-        "Megatron selective": ([False] * num_blocks, MegatronSelective),
-    }
-    for n in range(1, num_blocks):
-        out[f"Megatron block {n}"] = ([i < n for i in range(num_blocks)], None)
-    for n in (2, 3):
-        out[f"HF every_n_layers={n}"] = ([i % n == 0 for i in range(num_blocks)], None)
-    return out
-
-
-def same_plan(modes: Sequence[str], anchor: Tuple[List[bool], Optional[Callable]]) -> bool:
-    """Our plan runs the anchor's computation: the same blocks fully recomputed, the others off. Between the two,
-    a ratio off 1.00 is the machine's noise (or the wrappers' overhead), not a better or a worse plan."""
-    mask, context_fn = anchor
-    return context_fn is None and list(modes) == ["recompute" if m else "off" for m in mask]
-
-
-class AnchorWrap:
-    """Wrap the chosen blocks' forward in ``torch.utils.checkpoint`` (plain PyTorch); ``remove()`` restores them."""
-
-    def __init__(self, blocks: Sequence[torch.nn.Module], mask: Sequence[bool], context_fn: Optional[Callable]):
-        self.blocks = [b for b, m in zip(blocks, mask) if m]
-        self.core = context_fn() if context_fn is MegatronSelective else None
-        if self.core is not None:
-            return
-        kwargs = {"use_reentrant": False}
-        if context_fn is not None:
-            kwargs["context_fn"] = context_fn
-        for block in self.blocks:
-            block.forward = functools.partial(checkpoint, type(block).forward.__get__(block), **kwargs)
-
-    def remove(self) -> None:
-        if self.core is not None:
-            self.core.remove()
-        for block in self.blocks:
-            if self.core is None:
-                del block.forward
-
-
-# ------------------------------------------------------------------------------------------ measuring
+# the compiled rows' model, one precision: its step, peaks and times
 
 
 class Bench:
@@ -227,7 +175,7 @@ def our_costs(bench: Bench, block_caller: Optional[Callable] = None, compiler_fr
     eager bytes steps, then blocks timed, and measured for the ``compiler:<f>`` modes, compiled)."""
     plan = apply_policy(bench.module, "none")
     meter = StepMeter("cpu", model=bench.module)
-    calibration = BudgetCalibration(plan, meter, budget=2**62, block_caller=block_caller,
+    calibration = _budget_internals().BudgetCalibration(plan, meter, budget=2**62, block_caller=block_caller,
                                     compiler_fractions=compiler_fractions)
 
     def step(exact: bool) -> int:
@@ -258,7 +206,7 @@ def fit_plans(bench: Bench, budgets: Sequence[int], costs, base, measured: Dict[
     (``savings``, :meth:`BudgetCalibration.compiled_savings`)."""
     ours = {}
     for budget in budgets:
-        chosen = plan_budget(costs, budget, base, modes, measured=measured)
+        chosen = _budget_internals().plan_budget(costs, budget, base, modes, measured=measured)
         plan = apply_policy(bench.module, "none")
         plan.set_modes(chosen.modes)
         peak = bench.peak() - savings(chosen.modes)
@@ -266,100 +214,12 @@ def fit_plans(bench: Bench, budgets: Sequence[int], costs, base, measured: Dict[
             if peak <= budget:
                 break
             measured[chosen.modes] = peak
-            chosen = plan_budget(costs, budget, base, modes, measured=measured)
+            chosen = _budget_internals().plan_budget(costs, budget, base, modes, measured=measured)
             plan.set_modes(chosen.modes)
             peak = bench.peak() - savings(chosen.modes)
         remove_checkpointing(bench.module)
         ours[budget] = (chosen.modes, peak)
     return ours
-
-
-def interleaved(configs: Dict[str, Tuple[Callable[[], None], Callable[[], None]]], bench: Bench, rounds: int
-                ) -> Dict[str, List[float]]:
-    """Time every configuration once per round (rotating order, one untimed round first)."""
-    names = list(configs)
-    times: Dict[str, List[float]] = {n: [] for n in names}
-    for r in range(rounds + 1):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            install, remove = configs[name]
-            install()
-            try:
-                seconds = bench.seconds()
-            finally:
-                remove()
-            if r:
-                times[name].append(seconds)
-    return times
-
-
-def run_case(model_name: str, precision: str, args) -> Dict[str, Any]:
-    torch.manual_seed(0)
-    module, seq = build(model_name, args.quick or args.small)
-    bench = Bench(module, seq, args.micro_batch, precision)
-    L = len(bench.blocks)
-    plan, calibration, measured = our_costs(bench)
-    costs, base = calibration.costs(), calibration.base
-    remove_checkpointing(bench.module)
-
-    anchors = anchor_wrappers(L)
-    configs: Dict[str, Tuple[Callable[[], None], Callable[[], None]]] = {}
-    peaks: Dict[str, int] = {}
-    for name, (mask, context_fn) in anchors.items():
-        holder: Dict[str, AnchorWrap] = {}
-
-        def install(mask=mask, context_fn=context_fn, holder=holder):
-            holder["w"] = AnchorWrap(bench.blocks, mask, context_fn)
-
-        def remove(holder=holder):
-            holder.pop("w").remove()
-
-        configs[name] = (install, remove)
-        install()
-        try:
-            peaks[name] = bench.peak()
-        finally:
-            remove()
-    low, high = peaks["torchtitan full"], peaks["none"]
-    budgets = [round(low + (high - low) * i / (args.budgets - 1)) for i in range(args.budgets)]
-
-    ours = fit_plans(bench, budgets, costs, base, measured)
-    for budget, (modes, peak) in ours.items():
-        name = f"ours@{budget}"
-        peaks[name] = peak
-
-        def install(modes=modes):
-            apply_policy(bench.module, "none").set_modes(modes)
-
-        configs[name] = (install, lambda: remove_checkpointing(bench.module))
-    times = interleaved(configs, bench, args.rounds)
-
-    rows = []
-    for budget in budgets:
-        name = f"ours@{budget}"
-        fitting = [a for a in anchors if peaks[a] <= budget]
-        best = min(fitting, key=lambda a: statistics.median(times[a])) if fitting else None
-        ours_s = statistics.median(times[name])
-        best_s = statistics.median(times[best]) if best else None
-        # paired: ours over the anchor within each round, then the median (a slow drift of the machine cancels)
-        ratio, *ratio_range = _paired(times[name], times[best]) if best else (None,)
-        fits = peaks[name] <= budget
-        verdict = "MISS (over budget)" if not fits else "—" if ratio is None else _verdict(ratio)
-        rows.append(dict(budget=budget, modes=list(ours[budget][0]), peak=peaks[name], fits=fits, step_s=ours_s,
-                         same_plan=best is not None and same_plan(ours[budget][0], anchors[best]),
-                         step_range=[min(times[name]), max(times[name])], best_anchor=best, best_anchor_s=best_s,
-                         best_anchor_range=[min(times[best]), max(times[best])] if best else None, ratio=ratio,
-                         ratio_range=ratio_range or None,
-                         verdict=verdict))
-    result = dict(model=model_name, precision=precision, blocks=L, seq_len=seq, micro_batch=args.micro_batch,
-                  rounds=args.rounds, budgets=budgets, rows=rows,
-                  anchors={a: dict(peak=peaks[a], step_s=statistics.median(times[a]),
-                                   step_range=[min(times[a]), max(times[a])]) for a in anchors})
-    eager_ends = eager_allocator_ends(bench) if args.compile else None
-    for grain in args.compile:
-        with torch._dynamo.config.patch(recompile_limit=64):  # each variant and lowered fraction is a graph
-            result.setdefault("compiled", []).extend(
-                compiled_rows(bench, budgets, peaks["none"], eager_ends, args, grain))
-    return result
 
 
 GRAINS = ("model", "block", "split")
@@ -469,8 +329,8 @@ def eager_allocator_ends(bench: Bench) -> Dict[str, int]:
     return ends
 
 
-def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, eager_ends: Dict[str, int], args,
-                  grain: str) -> List[Dict[str, Any]]:
+def compiled_rows(bench: Bench, budgets: Sequence[int], ends_memtracker: Tuple[int, int], eager_ends: Dict[str, int],
+                  args, grain: str) -> List[Dict[str, Any]]:
     """The compiler's activation memory budget at ``budget / none's peak`` against our plan, both compiled at one
     grain (:class:`CompiledGrain`). Our plan comes from the plugin's calibration run on the compiled model as the
     callback runs it: bytes steps eagerly, block times compiled (``block_caller``).
@@ -488,7 +348,7 @@ def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, eager_en
     compiled = CompiledGrain(bench, grain)
     try:
         # the compiler's budget per block exists only where each block is its own graph (engine.fit_start)
-        fractions = COMPILER_FRACTIONS if grain != "model" else ()
+        fractions = _budget_internals().COMPILER_FRACTIONS if grain != "model" else ()
         _, calibration, measured = our_costs(bench, compiled.block_caller(), fractions)
     finally:
         compiled.close()
@@ -497,9 +357,9 @@ def compiled_rows(bench: Bench, budgets: Sequence[int], none_peak: int, eager_en
     ours = fit_plans(bench, budgets, calibration.costs(), calibration.base, measured, modes,
                      calibration.compiled_savings)
     rows = []
-    low, high = budgets[0], budgets[-1]
+    low, high = ends_memtracker
     for budget in budgets:
-        fraction = min(max(budget / none_peak, 0.0), 1.0)
+        fraction = min(max(budget / ends_memtracker[1], 0.0), 1.0)
         allocator_budget = round(eager_ends["all"] + (eager_ends["none"] - eager_ends["all"]) * (budget - low)
                                  / max(high - low, 1))
         modes = ours[budget][0]
@@ -562,23 +422,33 @@ def _verdict(ratio: float) -> str:
     return "PASS" if ratio <= 1.0 else "TIE" if ratio <= TIE else "MISS"
 
 
-def print_case(result: Dict[str, Any]) -> None:
+
+def compiled_case(model_name: str, precision: str, args) -> Dict[str, Any]:
+    """The compiled rows of one model and precision: budgets at ``args.positions`` between ``all``'s and ``none``'s
+    MemTracker activation peak (eager), each grain of ``args.compile``."""
+    torch.manual_seed(0)
+    module, seq = build(model_name, args.small)
+    bench = Bench(module, seq, args.micro_batch, precision)
+    ends = []
+    for spec in ("all", "none"):
+        apply_policy(bench.module, spec)
+        ends.append(bench.peak())
+        remove_checkpointing(bench.module)
+    low, high = ends
+    budgets = [round(low + (high - low) * pos) for pos in args.positions]
+    eager_ends = eager_allocator_ends(bench)
+    rows: List[Dict[str, Any]] = []
+    for grain in args.compile:
+        with torch._dynamo.config.patch(recompile_limit=64):  # each variant and lowered fraction is a graph
+            rows.extend(compiled_rows(bench, budgets, (low, high), eager_ends, args, grain))
+    return dict(model=model_name, precision=precision, blocks=len(bench.blocks), seq_len=seq,
+                micro_batch=args.micro_batch, rounds=args.rounds, compiled_budgets=budgets,
+                memtracker_ends={"all": low, "none": high}, compiled=rows)
+
+
+def print_compiled(result: Dict[str, Any]) -> None:
     print(f"\n{result['model']} {result['precision']}: {result['blocks']} blocks, micro-batch "
-          f"{result['micro_batch']} × {result['seq_len']}, {result['rounds']} interleaved rounds (medians; ranges)")
-    print(f"{'budget MiB':>10} {'our plan':<28}{'peak MiB':>9}{'fits':>5}{'ours ms':>9} {'range':>13}  "
-          f"{'fastest fitting anchor':<24}{'ms':>8} {'range':>13}{'ratio':>7} {'(paired range)':<15} verdict")
-    for r in result["rows"]:
-        mix = mode_mix(r["modes"])
-        rng = f"{r['step_range'][0] * 1e3:.0f}-{r['step_range'][1] * 1e3:.0f}"
-        arng = (f"{r['best_anchor_range'][0] * 1e3:.0f}-{r['best_anchor_range'][1] * 1e3:.0f}"
-                if r["best_anchor"] else "")
-        prng = f"({r['ratio_range'][0]:.3f}-{r['ratio_range'][1]:.3f})" if r.get("ratio_range") else ""
-        print(f"{r['budget'] / MiB:>10.2f} {mix:<28}{r['peak'] / MiB:>9.2f}{'yes' if r['fits'] else 'NO':>5}"
-              f"{r['step_s'] * 1e3:>9.1f} {rng:>13}  {str(r['best_anchor']):<24}"
-              f"{(r['best_anchor_s'] or 0) * 1e3:>8.1f} {arng:>13}{(r['ratio'] or 0):>7.3f} {prng:<15} {r['verdict']}"
-              f"{' (the same plan)' if r.get('same_plan') else ''}")
-    print("anchors: " + "; ".join(f"{a} {v['peak'] / MiB:.2f} MiB {v['step_s'] * 1e3:.0f} ms"
-                                  for a, v in result["anchors"].items()))
+          f"{result['micro_batch']} x {result['seq_len']}, {result['rounds']} interleaved rounds")
     for grain in GRAINS:
         rows = [r for r in result.get("compiled", []) if r["grain"] == grain]
         if not rows:
@@ -606,6 +476,7 @@ def print_case(result: Dict[str, Any]) -> None:
                   f"{r['ours_peak'] / MiB:>7.2f} {r['ours_s'] * 1e3:>6.0f}{ratio}  {r['verdict']}")
 
 
+
 def _grains(text: str) -> List[str]:
     grains = [g.strip() for g in text.split(",") if g.strip()]
     bad = [g for g in grains if g not in GRAINS]
@@ -615,42 +486,58 @@ def _grains(text: str) -> List[str]:
     return grains
 
 
+def parse_budgets(args: argparse.Namespace) -> None:
+    if args.budgets is not None:
+        if args.budgets < 2:
+            raise SystemExit(f"--budgets {args.budgets}: give at least 2 (they include all's and none's figures).")
+        args.positions = [i / (args.budgets - 1) for i in range(args.budgets)]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt,llama")
-    parser.add_argument("--precisions", default="32-true,bf16-mixed")
-    parser.add_argument("--budgets", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--precisions", default="32-true", help="comma-separated, e.g. 32-true,bf16-mixed (bf16 "
+                                                                 "autocast on a CPU without bf16 units is ~18x slower)")
+    parser.add_argument("--positions", type=B.parse_positions, default=[0.25, 0.5, 0.75],
+                        help="budgets as fractions of the way from all to none (default 0.25,0.5,0.75)")
+    parser.add_argument("--budgets", type=int, default=None, help="N budgets evenly from all to none, both included "
+                                                                  "(instead of --positions)")
     parser.add_argument("--compile", nargs="?", const="model,block", default="", type=_grains,
-                        help="also torch.compile's memory budget against our plan compiled, for the whole model "
-                             "and/or block by block (default, bare: model,block)")
-    parser.add_argument("--quick", action="store_true", help="small models, 4 budgets, 2 rounds")
-    parser.add_argument("--small", action="store_true",
-                        help="the small models (4 blocks × 128) at the given budgets and rounds: bf16 autocast on a "
-                             "CPU without bf16 matrix units is ~18× slower than float32")
+                        help="instead of the eager rows: torch.compile's memory budget against our plan compiled, for "
+                             "the whole model and/or block by block (default, bare: model,block)")
+    parser.add_argument("--small", action="store_true", help="--compile: the 4 x 128 models (else 8 x 256)")
     parser.add_argument("--json", default=None, help="write every figure here")
+    B.add_size_arguments(parser)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.budgets, args.rounds = min(args.budgets, 4), min(args.rounds, 2)
-    for line in header_lines():
-        print(line)
+    parse_budgets(args)
+    B.resolve_sizes(args)
+    args.small = args.small or args.quick
+    T.quiet()
+    print("\n".join(header_lines([os.path.relpath(__file__), *(sys.argv[1:] if argv is None else argv)])))
+    print(f"load average at start: {load_average()}")
     results = []
     for model_name in [m.strip() for m in args.models.split(",") if m.strip()]:
         for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
-            result = run_case(model_name, precision, args)
-            print_case(result)
+            if args.compile:
+                result = compiled_case(model_name, precision, args)
+                print_compiled(result)
+            else:
+                result = eager_case(model_name, precision, args)
+                print_eager(result)
             results.append(result)
-    verdicts = [r["verdict"] for res in results for r in res["rows"]]
-    compiled = [r["verdict"] for res in results for r in res.get("compiled", [])]
-    if compiled:
-        print(f"compiled: {sum(v.startswith(('PASS', 'TIE')) for v in compiled)}/{len(compiled)} budgets PASS or "
+    if args.compile:
+        compiled = [r["verdict"] for res in results for r in res["compiled"]]
+        print(f"\ncompiled: {sum(v.startswith(('PASS', 'TIE')) for v in compiled)}/{len(compiled)} budgets PASS or "
               f"TIE; {sum(v.startswith('MISS') for v in compiled)} MISS")
-    same = sum(r["verdict"].startswith("MISS") and r.get("same_plan", False) for res in results for r in res["rows"])
-    print(f"\nsummary: {sum(v in ('PASS', 'TIE') for v in verdicts)}/{len(verdicts)} budgets PASS or TIE; "
-          f"{sum(v.startswith('MISS') for v in verdicts)} MISS ({same} of them our plan is the anchor's own plan, "
-          "the same computation); fits at every budget: "
-          f"{all(r['fits'] for res in results for r in res['rows'])}")
+    else:
+        rows = [r for res in results for r in res["rows"]]
+        verdicts = [r["verdict"] for r in rows]
+        same = sum(r["verdict"].startswith("MISS") and r.get("same_plan", False) for r in rows)
+        print(f"\nsummary: {sum(v.startswith('PASS') for v in verdicts)}/{len(verdicts)} budgets PASS (ours <= "
+              f"{B.TARGET:.2f} x the fastest fitting anchor); {sum(v.startswith('MISS') for v in verdicts)} MISS "
+              f"({same} of them our plan is the anchor's own plan); every step within the budget: "
+              f"{all((r['report'].get('worst_step_ratio') or 0) <= 1.0 for r in rows)}")
+    print(f"load average at end: {load_average()}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

@@ -67,15 +67,43 @@ def _frontier(tmp_path, *args, timeout):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_frontier_quick_json(tmp_path):
-    """``benchmarks/frontier.py --quick`` on the GPT in float32: every anchor measured, our plan at every budget
-    within the budget (a verdict per budget; the speed targets are read from the full run, not asserted here)."""
-    _, case = _frontier(tmp_path, timeout=290)
-    assert {"none", "torchtitan full", "torchtitan op-SAC", "Megatron selective", "Megatron block 1",
-            "HF every_n_layers=2"} <= set(case["anchors"])
-    assert case["budgets"][0] == case["anchors"]["torchtitan full"]["peak"]
-    assert case["budgets"][-1] == case["anchors"]["none"]["peak"]
+    """``benchmarks/frontier.py --quick`` on the GPT in float32: ``budget:`` through the callback at 25, 50 and 75 %
+    between ``all`` and ``none``, every step within the budget (calibration included, as the callback's report says),
+    a verdict with its ratio per budget beside the calibration's steps and the pricing time (the speed targets are
+    read from the full run, not asserted here)."""
+    stdout, case = _frontier(tmp_path, timeout=290)
+    act = case["activations"]
+    assert {"none", "all", "selective", "every:2", "first:1", "first:3"} <= set(act) and act["all"] < act["none"]
+    assert {"none", "all"} <= set(case["anchors"])
+    assert [r["position"] for r in case["rows"]] == [0.25, 0.5, 0.75]
     for row in case["rows"]:
-        assert row["fits"] and row["peak"] <= row["budget"] and row["verdict"] in ("PASS", "TIE", "MISS"), row
+        assert act["all"] < row["budget"] < act["none"]
+        report = row["report"]
+        assert 0 < report["worst_step"] <= row["budget"] and report["worst_step_ratio"] <= 1.0, row
+        assert report["calibration_steps"] >= 5 and report["pricing_s"] >= 0, report
+        assert row["fastest"] in row["fitting"] and row["ratio"][0] > 0, row
+        assert row["verdict"].split()[0] in ("PASS", "MISS") and isinstance(row["same_plan"], bool), row
+        assert row["fixed_activations"] <= row["budget"], row  # the plan, run fixed, fits too
+    for word in ("worst step / budget", "calib", "pricing", "ours / the same plan fixed", "Megatron block"):
+        assert word in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_budget_quick_prints_a_verdict_per_budget_with_its_number(tmp_path):
+    out = tmp_path / "budget.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "budget.py"), "--quick", "--models", "llama", "--positions", "0.5",
+         "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=190,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (case,) = json.loads(out.read_text())
+    (row,) = case["rows"]
+    assert case["model"] == "llama" and row["report"]["worst_step_ratio"] <= 1.0
+    ratio = f"{row['ratio'][0]:.3f}"
+    assert f"{'PASS' if row['ratio'][0] <= 1.0 else 'MISS'} " in row["verdict"] and ratio[:4] in row["verdict"]
+    assert row["verdict"] in proc.stdout and "summary: " in proc.stdout
 
 
 @pytest.mark.slow
@@ -85,9 +113,9 @@ def test_frontier_compiled_rows_at_block_grain(tmp_path):
     """``--compile block``: our plan comes from the calibration run on the per-block compiled model (modes priced on
     compiled blocks), both variants' peaks come from the CPU allocator, and the budgets are re-spaced in its units
     between eager ``all`` and ``none`` (the compiled ends are recorded beside them)."""
-    _, case = _frontier(tmp_path, "--budgets", "2", "--compile", "block", timeout=390)
+    _, case = _frontier(tmp_path, "--budgets", "2", "--micro-batch", "4", "--compile", "block", timeout=390)
     rows = case["compiled"]
-    assert [r["grain"] for r in rows] == ["block", "block"] and [r["budget"] for r in rows] == case["budgets"]
+    assert [r["grain"] for r in rows] == ["block", "block"] and [r["budget"] for r in rows] == case["compiled_budgets"]
     # block by block, the compiler's budget per block is a mode too (engine.fit_start offers it there)
     assert set(rows[0]["block_seconds"]["Block"]) == {"recompute", "selective", "compiler:0", "compiler:0.25",
                                                       "compiler:0.5", "compiler:0.75"}
@@ -112,7 +140,7 @@ def test_frontier_compiled_rows_for_a_whole_model_compile_split_by_compile_block
     into per-block graphs (``compile_blocks=True``), with the compiler's budget per block among its modes; at
     ``all``'s budget ours keeps what per-block ``all`` keeps, and the whole-model graph at the same fraction holds
     more."""
-    stdout, case = _frontier(tmp_path, "--budgets", "2", "--compile", "split", timeout=390)
+    stdout, case = _frontier(tmp_path, "--budgets", "2", "--micro-batch", "4", "--compile", "split", timeout=390)
     assert "split, compile_blocks=True, for ours" in stdout
     low, high = case["compiled"]
     assert low["grain"] == high["grain"] == "split"
@@ -132,19 +160,38 @@ def _benchmark(name: str):
     return module
 
 
-def test_frontier_names_a_row_where_our_plan_is_the_anchors_own_plan():
-    """A ratio between two runs of the same computation is noise: the frontier table marks the rows where our plan
-    recomputes exactly the blocks a plain-recompute anchor does; a selective block, another mask or an anchor with a
-    policy of its own (op-level SAC, Megatron selective) is a different plan."""
-    frontier = _benchmark("frontier")
-    anchors = frontier.anchor_wrappers(4)
-    assert frontier.same_plan(["recompute"] * 3 + ["off"], anchors["Megatron block 3"])
-    assert frontier.same_plan(["off"] * 4, anchors["none"])
-    assert frontier.same_plan(["recompute", "off"] * 2, anchors["HF every_n_layers=2"])
-    assert not frontier.same_plan(["recompute"] * 2 + ["off"] * 2, anchors["Megatron block 3"])
-    assert not frontier.same_plan(["selective"] + ["off"] * 3, anchors["Megatron block 1"])
-    assert not frontier.same_plan(["recompute"] * 4, anchors["torchtitan op-SAC"])
-    assert not frontier.same_plan(["off"] * 4, anchors["Megatron selective"])
+def test_budget_benchmark_never_prints_a_miss_as_one():
+    """A miss is reported as a miss with its number: a ratio a hair above 1.00 gets the digits that show it."""
+    budget = _benchmark("budget")
+    assert budget.verdict(1.0) == "PASS 1.000" and budget.verdict(0.9871) == "PASS 0.987"
+    assert budget.verdict(1.0004) == "MISS 1.0004" and budget.verdict(1.0123) == "MISS 1.012"
+    assert budget.anchor_policies(4) == ["none", "all", "selective", "every:2", "first:1", "first:2", "first:3"]
+    assert budget.framework_name("first:3") == "Megatron block 3" and budget.mix(["off", "recompute", "off"]) == \
+        "2 off, 1 recompute"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_trainer_runners_take_turns_one_step_at_a_time():
+    """``benchmarks/_trainer.py``: several Trainer fits in one process, stepped from the main thread: no two steps
+    overlap in time, each round runs every runner, and the callback's measured activation figure is read."""
+    trainer = _benchmark("_trainer")
+    trainer.quiet()
+    from lightning_ckpt.demos import GPTLightningModule
+
+    module = GPTLightningModule(n_layer=2, n_embd=32, n_head=2, block_size=16, dropout=0.0)
+    batch = module.example_batch(2, 16)
+    runners = [trainer.Runner(p, module, lambda i: batch, dict(policy=p)) for p in ("none", "all")]
+    wall, cpu = trainer.interleave(runners, rounds=3, warmup=1)
+    assert all(len(wall[r.name]) == len(cpu[r.name]) == 3 and len(r.times) == 4 for r in runners)
+    spans = sorted(s for r in runners for s in r.spans)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # one step at a time
+    none, full = (trainer.measured_activations(r) for r in runners)
+    assert 0 < full < none and runners[1].modes[-1] == ("recompute", "recompute")
+    assert not runners[0].calibrating
+    for r in runners:
+        r.finish()
+    assert runners[0].report_json()["policy"] == "none"
 
 
 def test_compile_benchmark_leaves_gradient_buffers_out_of_the_activation_peak():
@@ -206,7 +253,9 @@ def test_shapes_quick_compares_the_three_ways_and_writes_every_verdicts_figure(t
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a MISS (--quick is noise)
     (case,) = json.loads(out.read_text())
     assert set(case["tokens_per_s"]) == {"per shape", "one plan", "anchor"}
-    assert case["worst"] > 0 and case["budget"] > 0 and case["rows"] and case["curriculum"]["peak"] > 0
-    assert all(abs(r["error"]) < 0.05 for r in case["rows"])  # CPU: the trace is the meter's own count
-    for word in ("(a)/(c) tokens/s", "largest step peak (MemTracker)", "prediction error", "curriculum"):
+    assert 0 < case["worst"] <= case["budget"] and case["rows"] and 0 < case["curriculum"]["peak"] <= case["budget"]
+    assert case["calibration_steps"] and case["report"]["calibration_steps"] == case["calibration_steps"]
+    errors = [r["error"] for r in case["rows"] if r["error"] is not None]
+    assert errors and all(abs(e) < 0.05 for e in errors)  # CPU: the trace is the meter's own count
+    for word in ("(a)/(c) tokens/s", "largest step (the callback's figure", "prediction error", "curriculum"):
         assert word in proc.stdout
