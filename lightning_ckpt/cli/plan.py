@@ -22,7 +22,7 @@ from lightning_ckpt.forecast.numbers import (
     forecast_from_numbers,
 )
 from lightning_ckpt.forecast.precision import PRECISIONS
-from lightning_ckpt.forecast.remedies import STRATEGIES, Job, Layout, price, recommend, remedies
+from lightning_ckpt.forecast.remedies import STRATEGIES, Job, Layout, cost_text, price, recommend, remedies
 from lightning_ckpt.forecast.sdpa import describe_choices, resolve_gpu, saved_bytes, select_for_call
 from lightning_ckpt.forecast.trace import DEVICES, forecast_model
 
@@ -260,20 +260,6 @@ def _rank_table(rows: dict, args, capacity: Optional[int]) -> str:
     return "\n".join(out)
 
 
-def _cost_text(row) -> str:
-    c = row.cost
-    parts = []
-    if c["recompute"]:
-        parts.append(f"recomputes {c['recompute']:.0%} of the blocks' forward")
-    if c["micro_batches"] > 1:
-        parts.append(f"{c['micro_batches']} micro-batches per step")
-    if c["host_device_bytes"]:
-        parts.append(f"{format_bytes(c['host_device_bytes'])} host↔GPU per step")
-    if c["gpus_added"]:
-        parts.append(f"{c['gpus_added']} more GPU(s), {format_bytes(c['communicated_bytes'])} communicated per step")
-    return "; ".join(parts) or "nothing"
-
-
 def _remedies_table(rows, capacity: Optional[int]) -> str:
     """Every remedy: its GPU's model state and activations, phase peaks, verdict, cost and what it changes."""
     unit, scale = unit_for(max(r.peak for r in rows))
@@ -285,7 +271,7 @@ def _remedies_table(rows, capacity: Optional[int]) -> str:
         cells = "".join(f"{row.phases[k] / scale:>7.2f}" for k in ("forward", "backward", "optimizer"))
         out.append(f"{row.name:<48}{state / scale:>7.2f}{row.lines['activations'] / scale:>7.2f}{cells}  {verdict}")
         changes = "; ".join(row.changes) or "nothing in the training"
-        out.append(f"{'':<4}cost: {_cost_text(row)}; changes: {changes}")
+        out.append(f"{'':<4}cost: {cost_text(row)}; changes: {changes}")
         if row.how:
             out.append(f"{'':<4}how: {row.how}")
     keep, any_ = recommend(rows)

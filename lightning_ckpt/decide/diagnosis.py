@@ -192,14 +192,17 @@ def phase_forecast(phase: str, phase_peaks: Mapping[str, int], capacity: Optiona
 
 
 def diagnose(phase: str, ledger_lines: Optional[Mapping[str, float]] = None, capacity: Optional[int] = None,
-             phase_peaks: Optional[Mapping[str, int]] = None) -> str:
+             phase_peaks: Optional[Mapping[str, int]] = None, remedy: Optional[str] = None) -> str:
     """The text for an out-of-memory error in ``phase``, with the last measured ledger (GiB values, as logged; printed
     in the unit that fits its largest line) and, when measured, the last step's phase peaks (bytes; see
-    :func:`phase_forecast`)."""
+    :func:`phase_forecast`). ``remedy``: the remedy priced from that ledger, fix first
+    (:func:`lightning_ckpt.forecast.measured.oom_sentence`), the line after the first."""
     if phase not in _SUSPECTS:
         raise ValueError(f"phase={phase!r} is not one of {list(PHASES)}.")
     label = phase.replace("_", " ")
     lines = [f"lightning_ckpt: CUDA out of memory during the {label} phase — {_SUSPECTS[phase]}"]
+    if remedy:
+        lines.append(remedy)
     forecast = phase_forecast(phase, phase_peaks or {}, capacity)
     if forecast:
         lines.append(forecast)

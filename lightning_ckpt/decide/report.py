@@ -102,12 +102,20 @@ def phase_advice(ledger: Ledger) -> Optional[str]:
 
 
 def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: Optional[Dict[str, Any]] = None,
-                  all_checkpointed: bool = False) -> Dict[str, Any]:
-    """A JSON-able report: lines (bytes and GiB), shares of capacity, the dominant line and the advice."""
+                  all_checkpointed: bool = False, remedies: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """A JSON-able report: lines (bytes and GiB), shares of capacity, the dominant line and the advice.
+
+    ``remedies``: every remedy priced from this ledger
+    (:func:`lightning_ckpt.forecast.measured.measured_remedies`): its keys (``remedies``, ``recommended``,
+    ``recommended_any``, ``remedy``) join the report's, and its sentence (the line that crosses, or the largest,
+    with the remedy to try first and its numbers) leads the advice.
+    """
     lines = ledger.lines()
     cap = ledger.capacity
     dominant = ledger.dominant()
     advice: List[str] = [ledger.diagnosis()]
+    if remedies:
+        advice.insert(0, remedies["remedy"]["sentence"])
     if dominant == "activations":
         advice.append(f"The measurements suggest policy {suggest_policy(policy, ladder, all_checkpointed)!r} "
                       f"(currently {policy!r}).")
@@ -140,6 +148,7 @@ def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: O
         "peak_phase": ledger.peak_phase,
         "policy": policy,
         "advice": advice,
+        **(remedies or {}),
     }
 
 
@@ -171,5 +180,32 @@ def report_text(report: Dict[str, Any]) -> str:
             rows.append(f"  {name:<20}{phase['bytes'] / scale:>10.2f}{share}  {phase['dominant']}{mark}")
     if cap:
         rows.append(f"  capacity {format_bytes(cap)}")
+    rows.extend(_remedy_rows(report))
     rows.extend(f"  - {line}" for line in report["advice"])
     return "\n".join(rows)
+
+
+_STATE = ("parameters", "gradients", "optimizer state", "master copy", "in flight")
+
+
+def _remedy_rows(report: Dict[str, Any]) -> List[str]:
+    """The run as it is and every remedy that lowers its peak, one line each (``plan --remedies`` has the costs)."""
+    priced = report.get("remedies") or []
+    if not priced:
+        return []
+    own = priced[0]
+    shown = [own] + [r for r in priced[1:] if r["peak"] < own["peak"]]
+    unit, scale = unit_for(max(r["peak"] for r in shown))
+    marks = {report.get("recommended_any"): "  <- cheapest at all", report.get("recommended"): "  <- try first"}
+    marks.pop(own["name"], None)
+    out = [f"  remedies priced from this ledger ({unit} on one GPU; lower peaks than the run's):",
+           f"  {'remedy':<50}{'state':>8}{'acts':>8}{'peak':>8}  verdict"]
+    for r in shown:
+        verdict = [{True: "fits", False: "does not fit", None: ""}[r["fits"]],
+                   "changes the training" if r["changes_training"] else ""]
+        verdict = ", ".join(v for v in verdict if v)
+        name = f"{r['name']} (as it runs)" if r is own else r["name"]
+        state = sum(r["lines"][k] for k in _STATE)
+        out.append(f"  {name:<50}{state / scale:>8.2f}{r['lines']['activations'] / scale:>8.2f}"
+                   f"{r['peak'] / scale:>8.2f}  {verdict}{marks.get(r['name'], '')}".rstrip())
+    return out

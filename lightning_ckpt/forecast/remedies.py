@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from lightning_ckpt.core.units import format_bytes
 from lightning_ckpt.forecast.numbers import (
     DTYPE_BYTES,
     OPTIMIZER_MOMENTS,
@@ -64,6 +65,8 @@ __all__ = [
     "Job",
     "Layout",
     "Remedy",
+    "RunFacts",
+    "cost_text",
     "deepspeed_zero2_reference",
     "deepspeed_zero3_reference",
     "lora_fraction",
@@ -174,6 +177,33 @@ def lora_fraction(rank: int, layers: int, hidden: int, params: float) -> float:
 
 
 @dataclass(frozen=True)
+class RunFacts:
+    """What a training run is, beside its measured ledger, for :meth:`Job.from_ledger` (read from the model, its
+    optimizers and the plan; :func:`lightning_ckpt.forecast.measured.run_facts`).
+
+    Attributes:
+        params: parameter elements this process holds; ``trainable`` those that train.
+        width: the hidden width (the dimension most frequent among the parameters' shapes).
+        blocks: the repeated blocks; ``micro_batch`` the samples of the largest micro-batch (0: not known).
+        policy: the plan's name; ``recompute`` the share of the blocks it checkpoints.
+        optimizer: the optimizer's kind (``"adamw"``, ``"sgd"``, ``"momentum"``, ``"adamw8bit"``, ...).
+        param_dtype: the dtype most of the parameters' elements have.
+        zero_grad_before_forward: the run frees the previous step's gradients before the forward.
+    """
+
+    params: int
+    trainable: int
+    width: int
+    blocks: int
+    micro_batch: int
+    policy: str = "none"
+    recompute: float = 0.0
+    optimizer: str = "adamw"
+    param_dtype: str = "float32"
+    zero_grad_before_forward: bool = False
+
+
+@dataclass(frozen=True)
 class Job:
     """The job as a remedy sees it: counts, bytes per element and the traced or estimated activations.
 
@@ -187,6 +217,9 @@ class Job:
         temporaries: per policy, the optimizer step's bytes beyond the model state.
         extra: per policy and phase, what a trace measured beyond these formulas (0 from numbers).
         param_dtype, optimizer_name: as given, for the rows' words.
+        recompute: per policy, the share of the blocks' forward it runs again, where the policy's name does not say
+            it (a measured run's plan); others are read from the name.
+        zero_grad_before_forward: the job already frees the previous step's gradients before the forward.
     """
 
     params: float
@@ -206,6 +239,8 @@ class Job:
     extra: Dict[str, Dict[str, int]] = field(default_factory=dict)
     param_dtype: str = "bf16"
     optimizer_name: str = "adam"
+    recompute: Dict[str, float] = field(default_factory=dict)
+    zero_grad_before_forward: bool = False
 
     @property
     def policies(self) -> Tuple[str, ...]:
@@ -258,6 +293,35 @@ class Job:
             extra[policy] = {k: measured[k] - formula[k] for k in formula}
         return replace(job, extra=extra)
 
+    @classmethod
+    def from_ledger(cls, ledger, facts: RunFacts, capacity: Optional[int] = None) -> "Job":
+        """The job a training run measured: its lines as its ledger
+        (:class:`~lightning_ckpt.measure.ledger.Ledger`) counted them, one policy (the run's own) with its measured
+        activations, and what its measured phases hold beyond these formulas kept as ``extra`` (inputs, the
+        loss's temporaries, autocast's copies). ``extra`` is never negative: a first step's forward holds no
+        previous gradients, and the rows price the steps after it. One block's interior is its share of the
+        measured activations; the optimizer step's temporaries are its measured peak less the model state.
+        ``capacity`` (default: the ledger's) decides ``fits``."""
+        n = max(1, facts.params)
+        t = facts.trainable
+        policy = facts.policy
+        act = int(ledger.activations or 0)
+        model_state = ledger.params + ledger.grads + ledger.optimizer
+        peaks = dict(ledger.phase_peaks or {})
+        job = cls(params=n, param_bytes=ledger.params / n, grad_bytes=ledger.grads / t if t else 0.0,
+                  master_bytes=ledger.master / t if t else 0.0, optimizer=ledger.optimizer - ledger.master,
+                  moments=OPTIMIZER_MOMENTS.get(facts.optimizer, 2), layers=max(1, facts.blocks),
+                  hidden=max(1, facts.width), micro_batch=max(1, facts.micro_batch),
+                  capacity=capacity if capacity is not None else ledger.capacity, activations={policy: act},
+                  interior=act // max(1, facts.blocks),
+                  temporaries={policy: max(0, peaks.get("optimizer", model_state) - model_state)},
+                  trainable=t / n, param_dtype=facts.param_dtype, optimizer_name=facts.optimizer,
+                  recompute={policy: facts.recompute}, zero_grad_before_forward=facts.zero_grad_before_forward)
+        if not peaks:
+            return job
+        formula = price(job, Layout(policy, policy=policy)).phases
+        return replace(job, extra={policy: {k: max(0, peaks[k] - formula[k]) for k in formula if k in peaks}})
+
 
 def price(job: "Job | ForecastInputs", layout: Layout) -> Remedy:
     """The row for ``layout`` applied to ``job`` (a :class:`Job`, or the numbers it is made from; see the module
@@ -297,7 +361,7 @@ def price(job: "Job | ForecastInputs", layout: Layout) -> Remedy:
     fits = None if job.capacity is None else peak <= job.capacity
     cost = _cost(job, layout, lines, grads, params, act_full)
     return Remedy(layout.name, lines, phases, peak, fits, cost, bool(layout.changes), list(layout.changes),
-                  asdict(layout), _how(layout))
+                  asdict(layout), _how(layout, own=layout.policy in job.recompute))
 
 
 def _in_flight(layout: Layout, job: Job, t: float) -> Dict[str, float]:
@@ -336,7 +400,8 @@ def _phases(job: Job, layout: Layout, lines: Dict[str, int], in_flight: Dict[str
     """Forward, backward and optimizer peaks on the GPU, in Lightning's order (numbers.forecast_from_numbers)."""
     grads, act = lines["gradients"], lines["activations"]
     static = lines["parameters"] + lines["optimizer state"] + lines["master copy"] + lines["in flight"]
-    held = layout.accumulation > 1 or not layout.zero_grad_before_forward  # gradients alive through the forward
+    zeroed = layout.zero_grad_before_forward or job.zero_grad_before_forward
+    held = layout.accumulation > 1 or not zeroed  # the previous step's gradients alive through the forward
     first = round(grads * (1 / job.layers if layout.trainable < 1 else
                            backward_first_fraction(job.params, job.layers, job.hidden)))
     backward = static + (grads + act if layout.accumulation > 1 else max(act + first, grads))
@@ -369,15 +434,34 @@ def _cost(job: Job, layout: Layout, lines: Dict[str, int], grads: float, params:
             host += 2 * layout.accumulation * params / N
     if layout.activation_offload:
         host += 2 * (act_full - lines["activations"]) * layout.accumulation
-    recompute = 0.0 if layout.activation_offload else recomputed_fraction(layout.policy, job.layers)
+    recompute = job.recompute.get(layout.policy)
+    if recompute is None:
+        recompute = recomputed_fraction(layout.policy, job.layers)
+    recompute = 0.0 if layout.activation_offload else recompute
     return {"recompute": round(recompute, 4), "host_device_bytes": round(host),
             "communicated_bytes": round(communicated), "gpus_added": N - 1, "micro_batches": layout.accumulation}
 
 
-def _how(layout: Layout) -> str:
-    """Where to switch the row on: the remedy's own ``how``, the checkpointing policy, zeroing gradients early."""
+def cost_text(row: Remedy) -> str:
+    """What ``row`` costs per optimizer step, in words (``"nothing"`` when it costs nothing)."""
+    c = row.cost
+    parts = []
+    if c["recompute"]:
+        parts.append(f"recomputes {c['recompute']:.0%} of the blocks' forward")
+    if c["micro_batches"] > 1:
+        parts.append(f"{c['micro_batches']} micro-batches per step")
+    if c["host_device_bytes"]:
+        parts.append(f"{format_bytes(c['host_device_bytes'])} host↔GPU per step")
+    if c["gpus_added"]:
+        parts.append(f"{c['gpus_added']} more GPU(s), {format_bytes(c['communicated_bytes'])} communicated per step")
+    return "; ".join(parts) or "nothing"
+
+
+def _how(layout: Layout, own: bool = False) -> str:
+    """Where to switch the row on: the remedy's own ``how``, the checkpointing policy (not a measured run's own plan,
+    ``own``), zeroing gradients early."""
     parts = [layout.how] if layout.how else []
-    if layout.policy != "none":
+    if layout.policy != "none" and not own:
         parts.append(f"ActivationCheckpointing(policy={layout.policy!r})")
     if layout.zero_grad_before_forward:
         parts.append("ActivationCheckpointing(zero_grad_before_forward=True)")
@@ -432,7 +516,8 @@ def _single_remedies(job: Job, lora_rank: int, trainable: Optional[float],
                        how="Trainer(strategy='deepspeed_stage_2_offload'), or torchao's CPUOffloadOptimizer"))
     rows.append(Layout("activation offload", activation_offload=True,
                        how="ActivationCheckpointing(policy='offload')"))
-    rows.append(Layout("zero gradients before forward", zero_grad_before_forward=True))
+    if not job.zero_grad_before_forward:
+        rows.append(Layout("zero gradients before forward", zero_grad_before_forward=True))
     return rows
 
 
@@ -458,8 +543,9 @@ def remedies(job: "Job | ForecastInputs", lora_rank: int = 16, trainable: Option
     if isinstance(job, ForecastInputs):
         job = Job.from_numbers(job)
     rows = [price(job, Layout(p, policy=p)) for p in job.policies]
+    base = "none" if "none" in job.policies else job.policies[0]  # a measured run: its own plan, kept
     for layout in _single_remedies(job, lora_rank, trainable, [world_size] if world_size else [2, 4, 8]):
-        rows.append(price(job, layout))
+        rows.append(price(job, replace(layout, policy=base) if layout.policy == "none" else layout))
     if world_size is None:
         rows = _fewest_gpus(rows)
     combined = []
@@ -472,7 +558,8 @@ def remedies(job: "Job | ForecastInputs", lora_rank: int = 16, trainable: Option
 
 
 def _fewest_gpus(rows: List[Remedy]) -> List[Remedy]:
-    """Of the sharding rows for one strategy, keep the fewest GPUs that fit (the most when none fits)."""
+    """Of the sharding rows for one strategy, keep the fewest GPUs that fit (the most when none fits; the fewest
+    without a capacity)."""
     out, by_strategy = [], {}
     for row in rows:
         s = row.layout["strategy"]
@@ -481,7 +568,7 @@ def _fewest_gpus(rows: List[Remedy]) -> List[Remedy]:
         else:
             out.append(row)
     for group in by_strategy.values():
-        out.append(next((r for r in group if r.fits), group[-1]))
+        out.append(next((r for r in group if r.fits), group[-1] if group[0].fits is False else group[0]))
     return out
 
 
@@ -489,10 +576,10 @@ def _combination(job: Job, layout: Layout) -> Optional[Remedy]:
     """The cheapest fitting row of ``layout`` plus a checkpointing policy and/or zeroing gradients early."""
     candidates = []
     for policy in job.policies:
-        for zero in (False, True):
+        for zero in (False, True) if not job.zero_grad_before_forward else (False,):
             if policy == layout.policy and zero == layout.zero_grad_before_forward:
                 continue
-            parts = [layout.name] + ([policy] if policy != "none" else []) + (["zero gradients"] if zero else [])
+            parts = [layout.name] + ([policy] if policy != layout.policy else []) + (["zero gradients"] if zero else [])
             candidates.append(price(job, replace(layout, name=" + ".join(parts), policy=policy,
                                                     zero_grad_before_forward=zero or layout.zero_grad_before_forward)))
     fitting = [r for r in candidates if r.fits]

@@ -58,6 +58,7 @@ from __future__ import annotations
 import gc
 import sys
 import traceback
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
@@ -72,11 +73,14 @@ from lightning_ckpt.decide.diagnosis import (
     raised_in_compiled_code,
 )
 from lightning_ckpt.decide.escalation import stronger, stronger_rungs
+from lightning_ckpt.forecast.measured import measured_remedies, oom_sentence, run_facts
+from lightning_ckpt.forecast.remedies import RunFacts
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_ckpt.lightning.engine import CheckpointingEngine
 
-__all__ = ["DEVICE_RNG", "CudaGenerators", "GradientJournal", "RandomState", "StepGuard", "release_failed_attempt"]
+__all__ = ["DEVICE_RNG", "CudaGenerators", "GradientJournal", "RandomState", "StepGuard", "engine_facts",
+           "measured_remedies_of", "release_failed_attempt"]
 
 _STORE_KEY = "lightning_ckpt/out_of_memory"
 
@@ -364,7 +368,14 @@ class StepGuard:
         lines = {k.split("memory/")[-1].removesuffix("_gib"): v for k, v in engine.last_metrics.items()
                  if "memory/" in k}
         last = engine.last_result.ledger if engine.last_result is not None else None
-        text = diagnose(phase, lines, engine.capacity, last.phase_peaks if last is not None else None)
+        remedy = None
+        if last is not None and phase not in EVALUATION_PHASES:  # an evaluation loop has no training state to shrink
+            try:
+                remedy = oom_sentence(last, engine_facts(engine), engine.capacity)
+            except Exception as failure:  # noqa: BLE001 - the out-of-memory diagnosis is raised whatever happens here
+                warnings.warn(f"lightning_ckpt: the remedies could not be priced ({failure!r}); the out-of-memory "
+                              "diagnosis goes on without them.", stacklevel=2)
+        text = diagnose(phase, lines, engine.capacity, last.phase_peaks if last is not None else None, remedy=remedy)
         if engine.last_attribution is not None:  # which tensors: the last reference step's, labelled as such
             text += "\n" + _peak_lines(engine)
         record = engine.snapshot.describe(err) if engine.snapshot is not None else None
@@ -444,6 +455,30 @@ class StepGuard:
             if published:
                 exception.add_note(f"lightning_ckpt: this rank stopped because another ran out of memory — "
                                    f"{published}")
+
+
+def engine_facts(engine: Any) -> RunFacts:
+    """What the run is beside its ledger (:func:`~lightning_ckpt.forecast.measured.run_facts`): the model's and its
+    optimizers', the plan's blocks, name and checkpointed share, the largest micro-batch's samples."""
+    module, plan = engine.module, engine.plan
+    trainer = getattr(module, "_trainer", None)
+    optimizers = trainer.optimizers if trainer is not None else ()
+    blocks = plan.num_blocks if plan is not None else 1
+    shape = getattr(engine, "_batch_shape", None) or (None, 0)
+    return run_facts(module if module is not None else torch.nn.Module(), optimizers, blocks, int(shape[1] or 0),
+                     plan.spec if plan is not None else "none",
+                     plan.num_checkpointed / plan.num_blocks if plan is not None and plan.num_blocks else 0.0,
+                     bool(getattr(engine.settings, "zero_grad_before_forward", False)))
+
+
+def measured_remedies_of(engine: Any) -> Optional[Dict[str, Any]]:
+    """The remedies priced from the last measured step's ledger (``None`` before one), for the end-of-fit report:
+    ``ledger_report(..., remedies=measured_remedies_of(engine))``
+    (:func:`~lightning_ckpt.forecast.measured.measured_remedies`)."""
+    last = engine.last_result.ledger if engine.last_result is not None else None
+    if last is None:
+        return None
+    return measured_remedies(last, engine_facts(engine), engine.capacity)
 
 
 def _peak_lines(engine: Any, top: int = 5) -> str:

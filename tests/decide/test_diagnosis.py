@@ -169,3 +169,11 @@ def test_a_library_whose_allocation_failed_ran_out_of_memory(message):
 ])
 def test_other_library_errors_are_not_out_of_memory(message):
     assert not is_out_of_memory(RuntimeError(message))
+
+
+def test_the_remedy_priced_from_the_ledger_comes_right_after_the_phase():
+    text = diagnose("first_optimizer_step", {"optimizer": 9.69}, capacity=16 * 2**30,
+                    remedy="Try optimizer-state offload first: it takes that line from 9.69 GiB to 0 B.")
+    first, second = text.split("\n")[:2]
+    assert first.startswith("lightning_ckpt: CUDA out of memory during the first optimizer step phase")
+    assert second == "Try optimizer-state offload first: it takes that line from 9.69 GiB to 0 B."

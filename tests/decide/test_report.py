@@ -79,3 +79,30 @@ def test_a_tiny_report_falls_back_to_bytes_and_kib():
     ledger = Ledger(params=512, grads=512, optimizer=1024, activations=900)
     text = report_text(ledger_report(ledger, "none", ("none", "all")))
     assert "  line                       KiB\n" in text and "  params                    0.50\n" in text
+
+
+def test_the_remedies_priced_from_the_ledger_lead_the_advice_and_join_the_json():
+    """The report prices plan --remedies' rows from its own ledger: the JSON carries them under plan's keys, the
+    table lists the run and every row that lowers its peak with its verdict, and the advice opens with the line
+    that crosses and the remedy to try first."""
+    from lightning_ckpt.forecast.measured import measured_remedies
+    from lightning_ckpt.forecast.remedies import RunFacts
+
+    p = 1_300_000_000
+    state = 16 * p
+    ledger = Ledger(params=2 * p, grads=2 * p, optimizer=12 * p, master=4 * p, activations=2 * GiB,
+                    capacity=16 * GiB, optimizer_by_dtype={"float32": 12 * p},
+                    phase_peaks={"forward": state + 2 * GiB, "backward": state + 2 * GiB, "optimizer": state})
+    facts = RunFacts(params=p, trainable=p, width=2048, blocks=24, micro_batch=2, optimizer="adamw")
+    data = ledger_report(ledger, "none", ("none", "all"), remedies=measured_remedies(ledger, facts))
+    assert {"remedies", "recommended", "recommended_any", "remedy"} <= set(data)
+    assert data["recommended"] == "optimizer-state offload" and data["remedy"]["line"] == "optimizer state"
+    assert data["advice"][0].startswith("The optimizer state line crosses 16.00 GiB: checkpointing cannot help.")
+    text = report_text(data)
+    assert "  remedies priced from this ledger (GiB on one GPU; lower peaks than the run's):" in text
+    assert "  none (as it runs)                                    19.37    2.00   21.37  does not fit\n" in text
+    assert "  8-bit optimizer state                                12.15    2.00   14.15  fits, changes the training" \
+        in text
+    assert "  optimizer-state offload                               2.42    2.00    7.35  fits  <- try first" in text
+    assert report_text(json.loads(json.dumps(data))) == text
+    assert "remedies" not in ledger_report(ledger, "none", ("none", "all"))  # none given: no section
