@@ -236,6 +236,32 @@ def interleave(runners: Sequence[Runner], rounds: int, steps: int = 1, warmup: i
     return wall, cpu
 
 
+def interleave_groups(groups: Dict[Any, Sequence[Runner]], rounds: int, warmup: int = 0
+                      ) -> Tuple[Dict[Any, Dict[str, List[float]]], Dict[Any, Dict[str, List[float]]]]:
+    """Like :func:`interleave`, but each round runs group after group, every member of a group one step, back to
+    back: the ratios within a group pair steps at most ``len(group) - 1`` steps apart. A runner in several groups
+    steps once in each. The groups' order rotates each round, and so does the order inside each group (reversed every
+    other round). Per group, per runner: the wall and process CPU seconds of its step in each timed round."""
+    wall = {g: {r.name: [] for r in members} for g, members in groups.items()}
+    cpu = {g: {r.name: [] for r in members} for g, members in groups.items()}
+    keys = list(groups)
+    for r in range(warmup + rounds):
+        shift = r % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            members = list(groups[key])
+            inner = r % len(members)
+            members = members[inner:] + members[:inner]
+            if r % 2:
+                members.reverse()
+            for runner in members:
+                before = len(runner.cpu)
+                seconds = sum(runner.run(1))
+                if r >= warmup:
+                    wall[key][runner.name].append(seconds)
+                    cpu[key][runner.name].append(sum(runner.cpu[before:]))
+    return wall, cpu
+
+
 def block_names(module) -> List[str]:
     """The blocks the callback will find in ``module`` (its own detection)."""
     from lightning_ckpt.core.blocks import find_blocks

@@ -15,8 +15,13 @@ configurations interleave (A/B/A/B, the order rotated every round).
 4. **The same plan, fixed**: ``policy="modes:<the plan ours runs>"``: the plan without the budget's machinery, so
    that a difference splits into the plan's choice (fixed / anchor) and the callback's own per-step work
    (ours / fixed).
-5. One untimed round, then ``--rounds`` timed rounds of one step each for every configuration. Per round, ours /
-   the fastest fitting anchor (the fitting anchor with the lowest median), then the median over rounds.
+5. **Screening**: one untimed round, then ``--screen`` rounds of one step each for every configuration; per budget,
+   the ``--candidates`` fitting anchors with the lowest median go on.
+6. **Verdict**: ``--rounds`` rounds in which, budget by budget, ours, the same plan fixed and those candidates run
+   one step each back to back (the order rotated every round), so that the steps compared are seconds apart. The
+   fastest fitting anchor is the candidate with the lowest median here; the ratio is the median over rounds of ours /
+   that anchor in the same round. Process CPU seconds are compared alike and printed beside (less sensitive to
+   other processes on a shared machine).
 
 Verdict per budget: **PASS** when that median ratio is ≤ 1.00, else **MISS** with its number. Printed beside it:
 the worst step's activations against the budget (calibration included; the end-of-fit report's ``budget`` figures),
@@ -94,6 +99,27 @@ def verdict(ratio: float) -> str:
     return f"{'PASS' if ratio <= TARGET else 'MISS'} {_ratio_text(ratio)}"
 
 
+def calibrated_seconds(budget_plan: Dict[str, Any]) -> Dict[str, float]:
+    """The seconds per block that the calibration priced each mode of the chosen plan at (the report's
+    ``budget_plan``: each block's mode and seconds added over ``off``), averaged over the blocks of that mode."""
+    by_mode: Dict[str, List[float]] = {}
+    for block in budget_plan.get("blocks", []):
+        if block.get("seconds") is not None and block["mode"] != "off":
+            by_mode.setdefault(block["mode"], []).append(block["seconds"])
+    return {mode: statistics.mean(v) for mode, v in by_mode.items()}
+
+
+def anchor_seconds(res: Dict[str, Any]) -> Dict[str, float]:
+    """Seconds a block adds per mode, read off the anchors' screening medians: (T(all) − T(none)) / L for
+    ``recompute``, (T(selective) − T(none)) / L for ``selective``."""
+    a, blocks = res["anchors"], res["blocks"]
+    out = {}
+    for mode, policy in (("recompute", "all"), ("selective", "selective")):
+        if policy in a and "none" in a:
+            out[mode] = (a[policy]["median_s"] - a["none"]["median_s"]) / blocks
+    return out
+
+
 def measure_anchor(runner: T.Runner) -> int:
     """Two steps, both measured; the callback's activation figure of the second."""
     trainer = runner.trainer
@@ -150,39 +176,47 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
 
     everyone = [*anchors.values(), *ours.values(), *fixed.values()]
     start = {r.name: len(r.times) for r in everyone}
-    wall, cpu = T.interleave(everyone, args.rounds, warmup=1)
+    # screening: every configuration, one step a round; the candidates per budget are its fastest fitting anchors
+    screen, _ = T.interleave(everyone, args.screen, warmup=1)
+    candidates = {pos: sorted((p for p in anchors if act[p] <= budget), key=lambda p: statistics.median(screen[p]))
+                  [:args.candidates] for pos, budget in budgets.items()}
+    # the verdict: per budget, ours, the same plan fixed and those candidates, back to back in every round
+    groups = {pos: [ours[pos], fixed[pos], *(anchors[p] for p in candidates[pos])] for pos in budgets}
+    wall, cpu = T.interleave_groups(groups, args.rounds)
     timed_modes = {pos: sorted(set(r.modes[start[r.name] + 1:])) for pos, r in ours.items()}
     for r in [*anchors.values(), *fixed.values()]:
         r.finish()
-    figures = {}
+    figures, chosen = {}, {}
     for pos, r in ours.items():
         r.finish()
-        figures[pos] = r.report_json().get("budget") or {}
+        report = r.report_json()
+        figures[pos], chosen[pos] = report.get("budget") or {}, report.get("budget_plan") or {}
 
     rows = []
     for pos, budget in budgets.items():
-        name = ours[pos].name
+        name, w, c = ours[pos].name, wall[pos], cpu[pos]
         fitting = [p for p in anchors if act[p] <= budget]
-        fastest = min(fitting, key=lambda p: statistics.median(wall[p])) if fitting else None
+        fastest = min(candidates[pos], key=lambda p: statistics.median(w[p])) if candidates[pos] else None
         row = dict(position=pos, budget=budget, modes=list(ours[pos].modes[-1]),
-                   modes_timed=[list(m) for m in timed_modes[pos]], ours_s=statistics.median(wall[name]),
-                   ours_mean_s=statistics.mean(wall[name]), fixed_activations=fixed_act[pos],
-                   calibration=calibration[pos], report=figures[pos], fastest=fastest,
-                   fitting=fitting)
-        row["vs_fixed"] = T.paired(wall[name], wall[fixed[pos].name])
+                   modes_timed=[list(m) for m in timed_modes[pos]], ours_s=statistics.median(w[name]),
+                   ours_mean_s=statistics.mean(w[name]), fixed_activations=fixed_act[pos],
+                   calibration=calibration[pos], report=figures[pos], fastest=fastest, fitting=fitting,
+                   candidates=candidates[pos], times={n: v for n, v in w.items()}, budget_plan=chosen[pos],
+                   calibrated_s=calibrated_seconds(chosen[pos]))
+        row["vs_fixed"] = T.paired(w[name], w[fixed[pos].name])
         if fastest is not None:
-            row.update(fastest_s=statistics.median(wall[fastest]), fastest_mean_s=statistics.mean(wall[fastest]),
-                       ratio=T.paired(wall[name], wall[fastest]), cpu_ratio=T.paired(cpu[name], cpu[fastest]),
-                       fixed_vs_fastest=T.paired(wall[fixed[pos].name], wall[fastest]),
-                       ratio_of_means=statistics.mean(wall[name]) / statistics.mean(wall[fastest]))
+            row.update(fastest_s=statistics.median(w[fastest]), fastest_mean_s=statistics.mean(w[fastest]),
+                       ratio=T.paired(w[name], w[fastest]), cpu_ratio=T.paired(c[name], c[fastest]),
+                       fixed_vs_fastest=T.paired(w[fixed[pos].name], w[fastest]),
+                       ratio_of_means=statistics.mean(w[name]) / statistics.mean(w[fastest]))
             row["verdict"] = verdict(row["ratio"][0])
         else:
             row["verdict"] = "no anchor fits"
         rows.append(row)
     return dict(model=model_name, precision=precision, blocks=blocks, width=args.width, seq=args.seq,
                 micro_batch=args.micro_batch, rounds=args.rounds, activations=act, rows=rows,
-                anchors={p: dict(activations=act[p], median_s=statistics.median(wall[p]),
-                                 range_s=[min(wall[p]), max(wall[p])], modes=list(r.modes[-1]))
+                anchors={p: dict(activations=act[p], median_s=statistics.median(screen[p]),
+                                 range_s=[min(screen[p]), max(screen[p])], modes=list(r.modes[-1]))
                          for p, r in anchors.items()})
 
 
@@ -191,7 +225,7 @@ def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: C
     act = res["activations"]
     log(f"\n{res['model']} {res['blocks']} x {res['width']}, micro-batch {res['micro_batch']} x {res['seq']}, "
         f"{res['precision']}: activations all {act['all'] / MiB:.2f} MiB, none {act['none'] / MiB:.2f} MiB "
-        f"(the callback's per-step figure); {res['rounds']} interleaved rounds, medians")
+        f"(the callback's per-step figure); {res['rounds']} verdict rounds, medians")
     width = max([12] + [len(label(r["fastest"])) for r in res["rows"] if r["fastest"] is not None])
     log(f"{'budget':>15}  {'our plan after calibration':<32}{'ours ms':>8}  {'fastest fitting anchor':<{width}}"
         f"{'ms':>7}  {'ratio (rounds)':<22}{'cpu':>6}  {'verdict':<11}{'worst step / budget':>22}"
@@ -222,10 +256,20 @@ def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: C
             parts.append(f"the plan's activations {fixed / MiB:.2f} MiB")
         if len(r["modes_timed"]) > 1:
             parts.append("plan changed during the timed rounds: " + " / ".join(mix(m) for m in r["modes_timed"]))
+        if r.get("calibrated_s"):
+            parts.append("calibration priced a block's " + ", ".join(
+                f"{m} +{v * 1e3:.1f} ms" for m, v in sorted(r["calibrated_s"].items())))
         cal = r["calibration"]
         parts.append(f"calibration {cal['steps']} steps in {cal['step_seconds']:.1f} s"
                      + (" (NOT finished)" if cal["over"] else ""))
         log(f"  {r['position']:>4.0%}: " + "; ".join(parts))
+    measured = anchor_seconds(res)
+    if measured:
+        anchors, blocks = res["anchors"], res["blocks"]
+        saves = {m: (anchors["none"]["activations"] - anchors[p]["activations"]) / blocks
+                 for m, p in (("recompute", "all"), ("selective", "selective")) if p in anchors}
+        log("  a block's cost per mode from the anchors' medians, (T(policy) - T(none)) / blocks: " + ", ".join(
+            f"{m} +{v * 1e3:.1f} ms (saves {saves[m] / MiB:.2f} MiB)" for m, v in measured.items()))
     log("anchors: " + "; ".join(f"{p}{' (' + framework_name(p) + ')' if framework_name(p) else ''} "
                                 f"{v['activations'] / MiB:.2f} MiB {v['median_s'] * 1e3:.0f} ms"
                                 for p, v in res["anchors"].items()))
@@ -246,17 +290,21 @@ def add_size_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=None, help="hidden width (default 256; --quick 128)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 256; --quick 128)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default 4; --quick 2)")
-    p.add_argument("--rounds", type=int, default=None, help="timed interleaved rounds (default 7; --quick 2)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds of the verdict (default 9; --quick 2)")
+    p.add_argument("--screen", type=int, default=None, help="screening rounds, every configuration (default 3; "
+                                                             "--quick 1)")
+    p.add_argument("--candidates", type=int, default=2, help="fastest fitting anchors per budget (by the screening) "
+                                                             "timed beside ours for the verdict (default 2)")
     p.add_argument("--max-calibration", type=int, default=80, help="give up waiting for the calibration after this "
                                                                     "many steps (reported as not finished)")
     p.add_argument("--quick", action="store_true", help="4 x 128, micro-batch 2 x 128, 2 rounds: a smoke run")
 
 
 def resolve_sizes(args: argparse.Namespace) -> None:
-    small = dict(layers=4, width=128, seq=128, micro_batch=2, rounds=2)
-    full = dict(layers=6, width=256, seq=256, micro_batch=4, rounds=7)
+    small = dict(layers=4, width=128, seq=128, micro_batch=2, rounds=2, screen=1)
+    full = dict(layers=6, width=256, seq=256, micro_batch=4, rounds=9, screen=3)
     for key, value in (small if args.quick else full).items():
-        if getattr(args, key) is None:
+        if getattr(args, key, None) is None:
             setattr(args, key, value)
 
 
