@@ -204,12 +204,15 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
                    candidates=candidates[pos], times={n: v for n, v in w.items()}, budget_plan=chosen[pos],
                    calibrated_s=calibrated_seconds(chosen[pos]))
         row["vs_fixed"] = T.paired(w[name], w[fixed[pos].name])
+        row["vs_fixed_cpu"] = T.paired(c[name], c[fixed[pos].name])
+        row["added_ms"] = statistics.median(a - b for a, b in zip(c[name], c[fixed[pos].name])) * 1e3
         if fastest is not None:
             row.update(fastest_s=statistics.median(w[fastest]), fastest_mean_s=statistics.mean(w[fastest]),
                        ratio=T.paired(w[name], w[fastest]), cpu_ratio=T.paired(c[name], c[fastest]),
                        fixed_vs_fastest=T.paired(w[fixed[pos].name], w[fastest]),
                        ratio_of_means=statistics.mean(w[name]) / statistics.mean(w[fastest]))
             row["verdict"] = verdict(row["ratio"][0])
+            row["same_plan"] = list(ours[pos].modes[-1]) == list(anchors[fastest].modes[-1])
         else:
             row["verdict"] = "no anchor fits"
         rows.append(row)
@@ -243,11 +246,13 @@ def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: C
         else:
             ratio, anchor, cpu = "-", f"{'-':<{width}}{'':>7}", f"{'':>6}"
         log(f"{r['position']:>4.0%} {r['budget'] / MiB:>6.2f} MiB  {mix(r['modes']):<32}{r['ours_s'] * 1e3:>8.0f}  "
-            f"{anchor}  {ratio:<22}{cpu}  {r['verdict']:<11}{worst:>22}{calib:>7}{pricing:>9}")
+            f"{anchor}  {ratio:<22}{cpu}  {r['verdict']:<11}{worst:>22}{calib:>7}{pricing:>9}"
+            f"{'  (the same plan)' if r.get('same_plan') else ''}")
     log("where the time goes (median of per-round ratios):")
     for r in res["rows"]:
         parts = [f"ours / the same plan fixed ({mix(r['modes'])}) {_ratio_text(r['vs_fixed'][0])} "
-                 f"({r['vs_fixed'][1]:.2f}-{r['vs_fixed'][2]:.2f})"]
+                 f"({r['vs_fixed'][1]:.2f}-{r['vs_fixed'][2]:.2f}), cpu {r['vs_fixed_cpu'][0]:.3f} "
+                 f"({r['added_ms']:+.1f} ms cpu a step)"]
         if r["fastest"] is not None:
             parts.append(f"that fixed plan / {r['fastest']} {_ratio_text(r['fixed_vs_fastest'][0])}")
             parts.append(f"ratio of means {_ratio_text(r['ratio_of_means'])}")
@@ -293,8 +298,8 @@ def add_size_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds of the verdict (default 9; --quick 2)")
     p.add_argument("--screen", type=int, default=None, help="screening rounds, every configuration (default 3; "
                                                              "--quick 1)")
-    p.add_argument("--candidates", type=int, default=2, help="fastest fitting anchors per budget (by the screening) "
-                                                             "timed beside ours for the verdict (default 2)")
+    p.add_argument("--candidates", type=int, default=3, help="fastest fitting anchors per budget (by the screening) "
+                                                             "timed beside ours for the verdict (default 3)")
     p.add_argument("--max-calibration", type=int, default=80, help="give up waiting for the calibration after this "
                                                                     "many steps (reported as not finished)")
     p.add_argument("--quick", action="store_true", help="4 x 128, micro-batch 2 x 128, 2 rounds: a smoke run")

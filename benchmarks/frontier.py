@@ -95,17 +95,12 @@ def eager_case(model_name: str, precision: str, args) -> Dict[str, Any]:
     """``benchmarks/budget.py``'s case, with each row marked where our plan is the fastest anchor's own plan."""
     result = B.run_case(model_name, args, precision)
     for row in result["rows"]:
-        fastest = row["fastest"]
-        row["same_plan"] = fastest is not None and row["modes"] == result["anchors"][fastest]["modes"]
+        row.setdefault("same_plan", False)
     return result
 
 
 def print_eager(result: Dict[str, Any]) -> None:
     B.print_case(result, label=label)
-    same = [f"{r['position']:.0%}" for r in result["rows"] if r.get("same_plan")]
-    if same:
-        print(f"our plan is the fastest anchor's own plan at {', '.join(same)}: there the ratio is the machine's noise "
-              "and the callback's per-step work")
 
 
 # ------------------------------------------------------------------------------------------ the compiled rows
