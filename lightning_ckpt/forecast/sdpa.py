@@ -18,13 +18,15 @@ torch      cuDNN first when                                                   so
 2.10–2.12  runtime cuDNN > 9.15.0 (≥ 9.15.1) and SM 9.x/10.x with minor 0     pytorch#171627 (in 2.10 via
            or 3 (SM 9.0, 10.0, 10.3)                                          #171895), #170800 (SM 10.3)
 ≥ 2.13     as 2.10; CUDA 13 builds drop the minor restriction                 2.13: an analysis of v2.13.0;
-                                                                              2.14: main @001f694a
+                                                                              2.14: main @001f694a; 2.15: its
+                                                                              binary (the same constants)
 ========== ================================================================= ==================================
 
 ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1`` (2.10+) or ``TORCH_CUDNN_SDPA_PREFERRED=0`` (2.9) turns the preference off; a
 priority set with ``torch.nn.attention.sdpa_kernel(..., set_priority=True)`` replaces it (both are honoured).
 
-The checks that matter for a forecast (full lists in :data:`RULES`, read from the 2.11 and the 2.14 source):
+The checks that matter for a forecast (full lists in :data:`RULES`, read from the 2.11 and the 2.14 source and the
+2.15.0 binary):
 
 =========== ======================= ========================================= ==========================================
 backend     SM                      dtypes                                    limits
@@ -34,11 +36,15 @@ cudnn       8.0 – 12.1              fp16, bf16                                
                                                                               masks of 2 or 4 dims; no mask gradient;
                                                                               KV length ≠ 1; dropout refused on cuDNN
                                                                               9.11–9.13, and (2.12+) unless a multiple
-                                                                              of 1/16; not under deterministic mode
+                                                                              of 1/16; not under deterministic mode;
+                                                                              (2.15) before 9.26 on SM 9.0, no
+                                                                              non-causal training with KV length
+                                                                              64 mod 128
 flash       8.0 – 12.1              fp16, bf16                                no mask; q, k, v head dims equal, ≤ 256;
                                                                               is_causal needs L = S; training on SM
                                                                               8.6–8.9/12.x: head dim ≤ 192 (or > 224
-                                                                              without dropout)
+                                                                              without dropout); (2.15) batch and
+                                                                              heads ≤ 65535
 efficient   5.0 – 12.1              fp16, fp32, bf16 on SM ≥ 8.0;             head dims multiples of 8 (16-bit) or 4
                                     fp16, fp32 below                          (fp32; 1 below SM 8.0); any mask; GQA
                                                                               and MQA from 2.14 only
@@ -54,11 +60,14 @@ Evidence. "2.14": PyTorch main @001f694a (the newest source read), whose checks'
 2.14.1 binary carries (the 1/16 dropout rule, the d256 backward rule, the 65535 batch limit). "2.11": the upstream
 file as it stood between pytorch#171627 (2026-01-02) and pytorch#174245 (2026-02-26), read from a fork that vendors
 it; release/2.11 was cut on 2026-02-18 (pytorch#175093). 2.12 and 2.13 are 2.11 plus the changes merged before
-their branch cuts (:data:`RULES` names them); torch < 2.10 uses the 2.11 checks with its own priority rule, newer
-than 2.14 the 2.14 rules: both unverified. For 2.15 the forecast's assumptions say so and name the checks its
-2.15.0 binary adds (:data:`NEWER_THAN_READ`, from the check messages it carries and 2.14.1's does not). Unbatched
-(3-D) q, k, v: 2.11 hands them to the 4-D shape checks as given, so math runs; 2.14 gives them a batch of one first
-(2.12 and 2.13 taken as 2.11). Not modelled: nested tensors, FA3/FA4, fp8, ROCm.
+their branch cuts (:data:`RULES` names them). "2.15": the torch 2.15.0 binary (libtorch_cuda.so), whose symbol
+table names every sdp_utils.cpp check, disassembled against 2.14.1's: the same checks and constants per backend bar
+flash's grid-size check (batch and heads ≤ 65535) and cuDNN's SM 9.x rule (cuDNN < 9.26: no non-causal training
+with key/value length 64 mod 128); the source was not read. torch < 2.10 uses the 2.11 checks with its own priority
+rule, newer than 2.15 the 2.15 rules: both unverified, and the forecast's assumptions name a newer torch
+(:data:`NEWER_THAN_READ` adds what its binary is known to check). Unbatched (3-D) q, k, v: 2.11 hands them to the
+4-D shape checks as given, so math runs; 2.14 gives them a batch of one first (2.12 and 2.13 taken as 2.11). Not
+modelled: nested tensors, FA3/FA4 (opt-in: ``torch.nn.attention.activate_flash_attention_impl``), fp8, ROCm.
 """
 
 from __future__ import annotations
@@ -137,7 +146,7 @@ class SdpaCall:
     attention mask's shape (``None``: no mask). ``requires_grad``: whether any of q, k, v requires a gradient (the
     training checks). ``storage_offsets``: of q, k, v, in elements (the efficient kernel's pointer alignment).
     ``unbatched``: q, k, v were 3-D (``dims`` is 3); the other fields describe them with a batch of one, which only
-    the rules that batch such input before their checks (torch 2.14) read.
+    the rules that batch such input before their checks (torch ≥ 2.14) read.
     """
 
     dtype: torch.dtype
@@ -523,6 +532,14 @@ def _flash_sm86_89_120(call, gpu, flags):
     return f"training on {format_sm(gpu.sm)} with head dim {d} (192 < d ≤ 224, or > 224 with dropout)"
 
 
+def _flash_grid(call, gpu, flags):
+    """``check_flash_attention_grid_size`` (2.15): the kernel's grid holds the batch and the query heads, each at
+    most 65535."""
+    if call.batch > 65535 or call.heads > 65535:
+        return f"batch {call.batch} or heads {call.heads} above 65535"
+    return None
+
+
 def _flash_causal(call, gpu, flags):
     if call.is_causal and call.q_len != call.lk:
         return f"is_causal with query length {call.q_len} ≠ key length {call.lk}"
@@ -638,12 +655,31 @@ def _cudnn_decode_disabled(call, gpu: GpuTarget) -> bool:
     return call.q_len == 1 and gpu.sm[0] in (10, 11) and 91900 <= gpu.cudnn <= 92500 and gpu.cudnn != 92401
 
 
-def _cudnn_shapes_214(call, gpu, flags):
+def _cudnn_sm90_kv64(call, gpu: GpuTarget) -> Optional[str]:
+    """2.15's ``check_cudnn_tensor_shapes``: "cuDNN SDPA before version 9.26 can produce non-finite query gradients
+    on SM90 for non-causal attention when the key/value sequence length is 64 modulo 128" (the message in the 2.15.0
+    binary; there the check reads SM major 9, cuDNN ≤ 9.25.99, ``is_causal`` false, the query's ``requires_grad``
+    and ``key.size(2) % 128 == 64``; the forecast's ``requires_grad`` is any of q, k, v under grad mode, the same
+    in training)."""
+    if (gpu.cudnn < 92600 and gpu.sm[0] == 9 and not call.is_causal and call.requires_grad
+            and call.lk % 128 == 64):
+        return (f"training without is_causal with key/value length {call.lk} (64 mod 128) on {format_sm(gpu.sm)} "
+                f"needs cuDNN ≥ 9.26 (got {format_cudnn(gpu.cudnn)}): older ones give non-finite query gradients")
+    return None
+
+
+def _cudnn_shapes_214(call, gpu, flags, sm90_kv64: bool = False):
     """``check_cudnn_tensor_shapes`` (2.14): batch and heads ≤ 65535; no decode on SM 10.x/11.x with some cuDNN
     versions (:func:`_cudnn_decode_disabled`); head dim ≤ 128, 256 where :func:`_supports_d256`, else 192/128 on
-    SM 9.0/10.x with cuDNN ≥ 9.11."""
+    SM 9.0/10.x with cuDNN ≥ 9.11. ``sm90_kv64`` (2.15): :func:`_cudnn_sm90_kv64` after the cuDNN 8.9 checks."""
     if call.batch > 65535 or call.heads > 65535:
         return f"batch {call.batch} or heads {call.heads} above 65535"
+    if sm90_kv64:
+        if gpu.cudnn < 8903 or (gpu.cudnn < 8906 and call.dropout != 0):
+            return _cudnn_common_shapes(call, gpu, flags, 256)  # the version refusal, as 2.15 checks it first
+        refused = _cudnn_sm90_kv64(call, gpu)
+        if refused:
+            return refused
     if _cudnn_decode_disabled(call, gpu):
         return (f"decode (query length 1) is disabled on {format_sm(gpu.sm)} for cuDNN 9.19–9.25.0 except 9.24.1 "
                 f"(got {format_cudnn(gpu.cudnn)})")
@@ -654,6 +690,11 @@ def _cudnn_shapes_214(call, gpu, flags):
     elif sm90_10x and gpu.cudnn >= 91100 and call.head_dim == 192 and call.dv == 128:
         limit = 192
     return _cudnn_common_shapes(call, gpu, flags, limit)
+
+
+def _cudnn_shapes_215(call, gpu, flags):
+    """``check_cudnn_tensor_shapes`` (2.15): 2.14's with :func:`_cudnn_sm90_kv64`."""
+    return _cudnn_shapes_214(call, gpu, flags, sm90_kv64=True)
 
 
 def _cudnn_d256_backward(call, gpu, flags):
@@ -673,6 +714,8 @@ _E211 = "2.11"
 _E214 = "2.14"
 _REF211 = "upstream between pytorch#171627 and #174245; release/2.11 cut 2026-02-18"
 _REF214 = "main @001f694a, as in the 2.14.1 binary"
+_E215 = "2.15"
+_REF215 = "the 2.15.0 binary (libtorch_cuda.so) disassembled against 2.14.1's; source not read"
 # What changed after 2.11, by the release whose branch cut first contains the change (cuts: 2.12 2026-04-15,
 # 2.13 2026-06-08, 2.14 2026-08-10); the text of each is read from the "2.14" source.
 SIXTEENTHS = "cuDNN dropout in 1/16 steps"  # pytorch#174245, merged 2026-02-26: 2.12
@@ -680,6 +723,14 @@ POINTER_ALIGNMENT = "efficient: pointer alignment"  # pytorch#184258, merged 202
 MQA_GQA = "GQA for efficient, MQA broadcast for all"  # pytorch#191085 (2026-07): 2.14
 D256 = "cuDNN d = 256 on SM 9.0/10.x, batch ≤ 65535"  # cuDNN frontend 1.24 era (2026-06/07): 2.14
 UNBATCHED = "3-D q, k, v batched before the checks"  # read in the 2.14 source; 2.12/2.13 unverified: 2.14
+# 2.15: read from the torch 2.15.0 binary (libtorch_cuda.so, whose symbol table names sdp_utils.cpp's functions),
+# disassembled against 2.14.1's: each backend's list of checks and their constants. What differs: flash's
+# check_flash_attention_grid_size and cuDNN's SM 9.x rule below; FlashAttention-4 checks that apply only after
+# torch.nn.attention.activate_flash_attention_impl("FA4") (userEnabledFA4SDP; not modelled); the SM 8.6-8.9/12.x
+# training check renamed for SM 12.1 (the 2.14 binary took SM 12.1 already); symbolic-shape rewrites of the
+# heads and causal checks (guard_or_false), the same on concrete sizes as far as read.
+FLASH_GRID = "flash: batch and heads ≤ 65535"
+CUDNN_SM90_KV64 = "cuDNN < 9.26 on SM 9.x: no non-causal training with key/value length 64 mod 128"
 
 
 def _s(function: str, version: str, file: str = SDP_UTILS, ref: str = "") -> Source:
@@ -710,7 +761,7 @@ _MASK_STRIDE = Check("mask_stride", _mask_stride, _s("check_last_dim_stride_equa
 
 def _flash_checks(features: FrozenSet[str]) -> Tuple[Check, ...]:
     v, mqa = _v(MQA_GQA in features), MQA_GQA in features
-    return (
+    checks = [
         Check("runtime_disabled", _disabled("flash", "flash attention"), _s("check_runtime_disabled_flash", _E211,
                                                                              SDP_UTILS_H)),
         _tensor_shapes(features),
@@ -723,13 +774,18 @@ def _flash_checks(features: FrozenSet[str]) -> Tuple[Check, ...]:
         Check("causal_lengths", _flash_causal, _s("check_flash_causal_non_square_seqlens", _E211)),
         Check("dtypes", lambda c, g, f: _dtypes(_HALF if g.sm[0] >= 8 else (torch.float16,), "flash")(c, g, f),
               _s("check_dtypes_flash_attention", _E211)),
+    ]
+    if FLASH_GRID in features:
+        checks.append(Check("grid_size", _flash_grid, _s("check_flash_attention_grid_size", _E215, ref=_REF215)))
+    checks += [
         # check_batch_size_and_num_heads_dense<true> (GQA); MQA broadcast with pytorch#191085
         Check("heads", _heads(True, True, mqa), _s("check_batch_size_and_num_heads_dense", v, SDP_UTILS_H,
                                                     "pytorch#191085" if mqa else "")),
         Check("nonzero_lengths", _nonzero, _s("check_nonzero_sequence_lengths_dense", _E211, SDP_UTILS_H)),
         Check("last_dim_stride", _last_stride(True), _s("check_last_dim_stride_equals_1_dense", _E211,
                                                         SDP_UTILS_H)),
-    )
+    ]
+    return tuple(checks)
 
 
 def _efficient_dtypes(call, gpu, flags):
@@ -795,7 +851,9 @@ def _cudnn_checks(features: FrozenSet[str]) -> Tuple[Check, ...]:
         # GQA with k and v heads allowed to differ; MQA broadcast with pytorch#191085
         Check("heads", _heads(True, False, mqa), _s("check_batch_size_and_num_heads_dense", _v(mqa), SDP_UTILS_H,
                                                      "pytorch#191085" if mqa else "")),
-        Check("tensor_shapes_cudnn", _cudnn_shapes_214 if d256 else _cudnn_shapes_211,
+        Check("tensor_shapes_cudnn", _cudnn_shapes_215 if CUDNN_SM90_KV64 in features else
+              _cudnn_shapes_214 if d256 else _cudnn_shapes_211,
+              _s("check_cudnn_tensor_shapes", _E215, ref=_REF215) if CUDNN_SM90_KV64 in features else
               _s("check_cudnn_tensor_shapes", _v(d256))),
     ]
     if d256:
@@ -828,18 +886,16 @@ RULES: Tuple[RuleSet, ...] = (
             "2.12 + pytorch#184258 and the CUDA 13 preference; the rest unverified"),
     RuleSet("2.14", (2, 14), _PREFER_213, _checks(SIXTEENTHS, POINTER_ALIGNMENT, MQA_GQA, D256, UNBATCHED),
             _REF214),
+    RuleSet("2.15", (2, 15), _PREFER_213, _checks(SIXTEENTHS, POINTER_ALIGNMENT, MQA_GQA, D256, UNBATCHED,
+                                                  FLASH_GRID, CUDNN_SM90_KV64),
+            "2.14 + flash's grid-size check and cuDNN's SM 9.x key/value-length rule, read from " + _REF215),
 )
 
 
-# What a torch newer than the newest source read is known to check beyond these rules: read from the check messages
-# its released binary (libtorch_cuda.so) carries and the newest rules' torch binary does not. Not modelled: the
-# messages give no thresholds.
-NEWER_THAN_READ: Dict[Tuple[int, int], str] = {
-    (2, 15): "its 2.15.0 binary has checks these rules do not model: flash refuses a batch size or heads count "
-             "above a limit, cuDNN before 9.26 refuses non-causal attention on SM 9.0 whose key/value length is 64 "
-             "modulo 128 (non-finite query gradients), the key/value heads check no longer names the batch size, and "
-             "FlashAttention-4 appears",
-}
+# What a torch newer than the newest rules read is known to check beyond them (from the check messages its released
+# binary carries and the newest rules' binary does not), added to the note that names it; none known today: 2.15,
+# once such a note, has its own rules (read from its binary).
+NEWER_THAN_READ: Dict[Tuple[int, int], str] = {}
 
 
 def _newer_than_read(version: Tuple[int, int]) -> List[str]:
@@ -848,8 +904,8 @@ def _newer_than_read(version: Tuple[int, int]) -> List[str]:
     if version <= newest.since:
         return []
     known = NEWER_THAN_READ.get(version)
-    return [f"torch {version[0]}.{version[1]} is newer than the {newest.name} source these rules were read from: "
-            f"the {newest.name} rules apply, unverified" + (f"; {known}" if known else "")]
+    return [f"torch {version[0]}.{version[1]} is newer than torch {newest.name}, the newest these rules were read "
+            f"from: the {newest.name} rules apply, unverified" + (f"; {known}" if known else "")]
 
 
 def rules_for(torch_version: Tuple[int, int]) -> RuleSet:

@@ -282,9 +282,10 @@ def test_every_rule_names_its_source():
         for checks in rules.checks.values():
             for check in checks:
                 assert check.source.file.startswith("aten/src/ATen/native/transformers/")
-                assert check.source.torch in ("2.11", "2.14") and check.source.function
-    assert [r.name for r in RULES] == ["2.9", "2.10", "2.11", "2.12", "2.13", "2.14"]
-    assert rules_for((2, 11)).name == "2.11" and rules_for((2, 15)).name == "2.14"
+                assert check.source.torch in ("2.11", "2.14", "2.15") and check.source.function
+    assert [r.name for r in RULES] == ["2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15"]
+    assert rules_for((2, 11)).name == "2.11" and rules_for((2, 15)).name == "2.15"
+    assert rules_for((2, 16)).name == "2.15"
 
 
 # --- inputs: SM versions, GPU names, cuDNN versions ---------------------------------------------------------------
@@ -340,16 +341,51 @@ def test_resolve_gpu_says_what_it_assumed(monkeypatch):
     assert given.describe() == "A100 (SM 8.0), cuDNN 9.19.0, torch 2.11"
 
 
-def test_a_torch_newer_than_the_rules_read_is_named_with_what_is_known_to_differ():
+def test_a_torch_newer_than_the_rules_read_is_named():
     newest = RULES[-1].name
-    given = resolve_gpu("H100", "9.19.0", "2.15", "13.0")
-    assert given.describe() == f"H100 (SM 9.0), cuDNN 9.19.0, torch 2.15 (the {newest} rules)"
+    assert newest == "2.15"
+    assert resolve_gpu("H100", "9.19.0", "2.15", "13.0").assumptions == ()  # 2.15: its own rules
+    given = resolve_gpu("H100", "9.19.0", "2.16", "13.0")
+    assert given.describe() == "H100 (SM 9.0), cuDNN 9.19.0, torch 2.16 (the 2.15 rules)"
     note = " ".join(given.assumptions)
-    assert f"torch 2.15 is newer than the {newest} source these rules were read from" in note, given.assumptions
-    assert "9.26" in note and "batch size or heads" in note  # what the 2.15.0 binary's checks say, not modelled
-    later = " ".join(resolve_gpu("H100", "9.19.0", "2.16", "13.0").assumptions)
-    assert "torch 2.16 is newer" in later and "9.26" not in later
-    assert resolve_gpu("H100", "9.19.0", newest, "13.0").assumptions == ()
+    assert "torch 2.16 is newer than torch 2.15, the newest these rules were read from" in note, given.assumptions
+    assert "the 2.15 rules apply, unverified" in note
+
+
+# --- torch 2.15: what its binary checks beyond 2.14 ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case, expected", [
+    (dict(), "flash"),                                        # refused: the next backend runs
+    (dict(kv_len=320), "flash"),                              # 320 = 2 * 128 + 64
+    (dict(kv_len=256), "cudnn"),                              # not 64 mod 128
+    (dict(q_len=192, is_causal=True), "cudnn"),               # causal
+    (dict(requires_grad=False), "cudnn"),                     # no backward
+    (dict(cudnn="9.26.0"), "cudnn"),                          # fixed in cuDNN 9.26
+    (dict(sm="10.0"), "cudnn"),                               # SM 9.x only
+    (dict(torch_version="2.14"), "cudnn"),                    # a 2.15 rule
+])
+def test_cudnn_before_9_26_on_hopper_refuses_non_causal_training_with_kv_length_64_mod_128(case, expected):
+    case = dict(dict(sm="9.0", cudnn="9.19.0", torch_version="2.15", q_len=128, kv_len=192), **case)
+    choice = pick(case.pop("sm"), case.pop("cudnn"), **case)
+    assert choice.backend == expected
+    if expected != "cudnn":
+        reason, source = choice.rejected["cudnn"][0]
+        assert "64 mod 128" in reason and "9.26" in reason
+        assert (source.function, source.torch) == ("check_cudnn_tensor_shapes", "2.15")
+
+
+@pytest.mark.parametrize("torch_version, batch, heads, expected", [
+    ("2.15", 65536, 1, "efficient"),  # flash's grid holds at most 65535 batches and heads
+    ("2.15", 1, 65536, "efficient"),
+    ("2.15", 65535, 1, "flash"),
+    ("2.14", 65536, 1, "flash"),      # a 2.15 rule
+])
+def test_flash_refuses_a_batch_or_heads_above_65535_from_2_15(torch_version, batch, heads, expected):
+    choice = pick("8.0", batch=batch, heads=heads, q_len=64, torch_version=torch_version)
+    assert choice.backend == expected
+    if expected != "flash":
+        assert [s.function for _, s in choice.rejected["flash"]] == ["check_flash_attention_grid_size"]
 
 
 # --- numbers: the forecast's saved bytes show the backend ---------------------------------------------------------
