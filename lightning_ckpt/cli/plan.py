@@ -54,8 +54,8 @@ def add_parser(sub) -> None:
                         "momentum, adafactor (default: the module's configure_optimizers, else adamw)")
     p.add_argument("--moment-dtype", default=None, help="numbers only (default fp32)")
     p.add_argument("--master-dtype", default=None,
-                   help="dtype of a master copy of the weights, or none (default); with --model it is added to "
-                        "what the optimizer itself holds")
+                   help="dtype of a master copy of the weights, or none (default); the optimizer steps it, so with "
+                        "--model its moments are kept in this dtype too")
     p.add_argument("--layers", type=int, default=None, help="numbers only (default 24)")
     p.add_argument("--hidden", type=int, default=None, help="numbers only (default 2048)")
     p.add_argument("--heads", type=int, default=None, help="numbers only (default 16)")

@@ -49,6 +49,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequ
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.core.policy import parse_policy
@@ -305,12 +306,15 @@ def forecast_model(
         hook.remove()
         remove_checkpointing(model)
     params, grads, master = state.params, state.grads, state.master
-    opt_bytes = state.optimizer - state.master
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # a master copy is what the optimizer steps: its moments take the master's dtype, as --master-dtype says from
+    # numbers (torch's optimizers keep them in the dtype of the weights they step)
+    moments = _moments_in(opts, DTYPE_BYTES[master_key]) if master_key != "none" else 0
+    opt_bytes = state.optimizer - state.master + moments
     extra_master = n_trainable * DTYPE_BYTES[master_key]  # not held by a torch optimizer: alive in every phase
     master += extra_master
     total = params + grads + opt_bytes + master
-    phases = {p: {name: v + extra_master for name, v in by_phase.items()} for p, by_phase in phases.items()}
+    phases = {p: {name: v + extra_master + moments for name, v in by_phase.items()} for p, by_phase in phases.items()}
     peak = {p: max(by_phase.values()) for p, by_phase in phases.items()}
     fits = {p: None if capacity is None else v <= capacity for p, v in peak.items()}
     crosses = {p: phase_crossing(crossing_line(params, grads, opt_bytes, master, activations[p], capacity, copies[p]),
@@ -329,6 +333,18 @@ def forecast_model(
         block_class=block_class, replay_interior=interiors, trace_s=times, autocast_copies=copies,
         precision=mode.name, device=device, anatomy=peaks,
     )
+
+
+def _moments_in(optimizers: Sequence[torch.optim.Optimizer], value_bytes: float) -> int:
+    """Bytes the optimizers' moments gain when kept at ``value_bytes`` per value instead of their weights' dtype: every
+    floating state tensor of a parameter in that parameter's dtype (step counters, single values, left alone)."""
+    delta = 0
+    for opt in optimizers:
+        for param, entry in getattr(opt, "state", {}).items():
+            for t in (v for v in getattr(entry, "values", lambda: ())() if isinstance(v, torch.Tensor)):
+                if t.is_floating_point() and t.dtype == param.dtype and t.numel() > 1:
+                    delta += round(t.numel() * (value_bytes - t.element_size()))
+    return delta
 
 
 def _default_foreach(device: str, foreach: Optional[bool]) -> Optional[bool]:
@@ -353,11 +369,39 @@ def _semantics(device: str, sdpa_backend: str, precision: Precision, gpu: Any = 
     return semantics
 
 
+class _UpdateScalars(TorchDispatchMode):
+    """Inside ``optimizer.step()`` a read of a tensor's value (``.item()``: Adafactor's step counter and the norms that
+    scale its update) is answered with 1: such values set the update's size, not the memory it holds, and fake
+    tensors have none to give. The model's own reads stay refused: they may steer shapes."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            value = args[0]
+            return True if value.dtype == torch.bool else 1.0 if value.is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
+
+
+def _values_in_the_step(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Run each optimizer's ``step`` under :class:`_UpdateScalars` (once per optimizer)."""
+    for opt in optimizers:
+        if getattr(opt, "_lightning_ckpt_scalars", False):
+            continue
+        step = opt.step
+
+        def scalar_step(*args, _step=step, **kwargs):
+            with _UpdateScalars():
+                return _step(*args, **kwargs)
+
+        opt.step = scalar_step
+        opt._lightning_ckpt_scalars = True
+
+
 def _trace_step(model: nn.Module, batch: Any, label: str, policy: str, precision: Precision,
                 optimizers: Sequence[torch.optim.Optimizer], meter: Optional[StepMeter] = None) -> None:
     """One fake training step in Lightning's order (:func:`~lightning_ckpt.forecast.load.lightning_step`);
     ``meter`` is told the phase boundaries. What fake tensors cannot run becomes a ``ValueError`` naming the
     model."""
+    _values_in_the_step(optimizers)
     try:
         lightning_step(model, batch, optimizers, precision, "cpu", meter)
     except (ValueError, TypeError):

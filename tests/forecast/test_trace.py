@@ -393,3 +393,23 @@ def test_plan_names_what_is_alive_at_the_peak_as_a_real_step_does(capsys):
                  "--policies", "none,all"]) == 0
     out = capsys.readouterr().out
     assert "policy 'none', traced:" in out and "hidden-width tensors" in out and "[wide_mlp]" in out
+
+
+@pytest.mark.parametrize("factory, layers, hidden, dtype, optimizer, master", [
+    ("tiny_gpt", 4, 64, "fp32", "adamw", "none"),
+    ("tiny_gpt", 4, 64, "bf16", "adamw", "fp32"),  # the optimizer steps the fp32 master copy: fp32 moments
+    ("benchmark_gpt", 12, 512, "fp32", "adafactor", "none"),  # factored moments, traced through its .item() reads
+])
+def test_the_numbers_route_and_the_model_route_agree_within_1_percent_per_line(factory, layers, hidden, dtype,
+                                                                                optimizer, master):
+    from lightning_ckpt.forecast.numbers import ForecastInputs, forecast_from_numbers
+    from lightning_ckpt.forecast.trace import forecast_model
+
+    traced = forecast_model(f"lightning_ckpt.demos.factories:{factory}", micro_batch=2, seq_len=16,
+                            policies=("none",), param_dtype=dtype, optimizer=optimizer, master_dtype=master)
+    numbers = forecast_from_numbers(ForecastInputs(
+        params=traced.num_params, param_dtype=dtype, grad_dtype=dtype, optimizer=optimizer, moment_dtype="fp32",
+        master_dtype=master, layers=layers, hidden=hidden, micro_batch=2, seq_len=16, act_dtype=dtype,
+        policies=("none",)))
+    for line in ("params", "grads", "optimizer", "master", "model_state", "hidden_tensor"):
+        assert getattr(numbers, line) == pytest.approx(getattr(traced, line), rel=0.01), line
