@@ -8,7 +8,9 @@ read them, under the run's own plan (:meth:`~lightning_ckpt.forecast.remedies.Jo
 reads what the ledger does not say (element counts, the width, the optimizer's kind) from the model and its
 optimizers; :func:`measured_remedies` returns the report's JSON section (``remedies``, ``recommended``,
 ``recommended_any``, as ``plan --remedies --json`` names them, and ``remedy``: the line and the sentence);
-:func:`oom_sentence` says the same in one or two sentences for an out-of-memory error, the fix first.
+:func:`oom_sentence` says the same in one or two sentences for an out-of-memory error, the fix first (before any
+step was measured, from the model state walked at the error with the optimizer's first state counted as it will be
+allocated: :func:`state_to_come`).
 
 The line read is the one that crosses the capacity (the largest line when the lines together pass it, else the
 transient of the phase that peaks above it), with the two recommendations of ``plan``: the cheapest row that
@@ -29,13 +31,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+import torch
 from torch import nn
 
 from lightning_ckpt.core.units import format_bytes
 from lightning_ckpt.forecast.numbers import PHASE_LINES
 from lightning_ckpt.forecast.remedies import Job, Remedy, RunFacts, cost_text, recommend, remedies
 
-__all__ = ["STATE_ORDER", "measured_remedies", "oom_sentence", "optimizer_kind", "run_facts"]
+__all__ = ["STATE_ORDER", "measured_remedies", "oom_sentence", "optimizer_kind", "run_facts", "state_to_come"]
 
 STATE_ORDER = ("parameters", "gradients", "optimizer state", "master copy", "in flight", "activations")
 """The GPU's lines of a row, whose total is held against the capacity."""
@@ -53,6 +56,33 @@ def optimizer_kind(optimizers: Iterable[Any]) -> str:
             name = "momentum"
         kinds.add(name)
     return "+".join(sorted(kinds))
+
+
+def state_to_come(optimizers: Iterable[Any]) -> int:
+    """Bytes the optimizers have yet to allocate at their first ``step()``: for torch's Adam and AdamW two moments,
+    for SGD with momentum one buffer, each like its parameter, for every trainable parameter without state yet
+    (other optimizers: 0, not guessed)."""
+    total = 0
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        per = _lazy_moments(opt)
+        state = getattr(opt, "state", {})
+        for group in getattr(opt, "param_groups", ()):
+            for p in group.get("params", ()):
+                if per and p.requires_grad and not state.get(p):
+                    local = getattr(p, "_local_tensor", p)
+                    total += per * local.numel() * local.element_size()
+    return total
+
+
+def _lazy_moments(opt: Any) -> int:
+    """State tensors like its parameter that ``opt`` allocates per parameter at its first step (torch's Adam and
+    AdamW and their subclasses: two moments; SGD with momentum: one buffer; others: 0, not guessed)."""
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return 2
+    if isinstance(opt, torch.optim.SGD):
+        return int(any(g.get("momentum", 0) for g in opt.param_groups))
+    return 0
 
 
 def run_facts(model: nn.Module, optimizers: Iterable[Any], blocks: int, micro_batch: int, policy: str,
@@ -192,10 +222,13 @@ def measured_remedies(ledger: Any, facts: RunFacts, capacity: Optional[int] = No
     }
 
 
-def oom_sentence(ledger: Any, facts: RunFacts, capacity: Optional[int] = None, lora_rank: int = 16) -> Optional[str]:
+def oom_sentence(ledger: Any, facts: RunFacts, capacity: Optional[int] = None, lora_rank: int = 16,
+                 measured: bool = True) -> Optional[str]:
     """One or two sentences for an out-of-memory error, the fix first: the row to try (with where to switch it on)
     and what it does to the line that crosses in the last measured step's ``ledger`` (or to its largest line, when
-    that step fit: then this step was larger). ``None`` when no row helps."""
+    that step fit: then this step was larger). ``measured=False``: ``ledger`` is the model state walked at the error,
+    before any step was measured (the optimizer's first state counted as it will be allocated, no activations).
+    ``None`` when no row helps."""
     if facts.params <= 0:
         return None
     rows, reading, cap = _price(ledger, facts, capacity, lora_rank)
@@ -209,7 +242,8 @@ def oom_sentence(ledger: Any, facts: RunFacts, capacity: Optional[int] = None, l
               f"{format_bytes(own.peak)} to {format_bytes(row.peak)}") if after is not None else \
         f"the step's peak from {format_bytes(own.peak)} to {format_bytes(row.peak)}"
     changes = f" It changes the training: {'; '.join(row.changes)}." if row.changes else ""
+    where = "the last measured step" if measured else "this run's model state (no step measured yet)"
     if reading.crosses:
-        return (f"Try {fix} first: in the last measured step the {line} line crosses {format_bytes(cap)}, and it "
+        return (f"Try {fix} first: in {where} the {line} line crosses {format_bytes(cap)}, and it "
                 f"takes that line {change}, which fits.{changes}")
-    return f"To make room, try {fix}: it takes the last measured step's largest line, {line}, {change}.{changes}"
+    return f"To make room, try {fix}: it takes the largest line of {where}, {line}, {change}.{changes}"

@@ -73,8 +73,9 @@ from lightning_ckpt.decide.diagnosis import (
     raised_in_compiled_code,
 )
 from lightning_ckpt.decide.escalation import stronger, stronger_rungs
-from lightning_ckpt.forecast.measured import measured_remedies, oom_sentence, run_facts
+from lightning_ckpt.forecast.measured import measured_remedies, oom_sentence, run_facts, state_to_come
 from lightning_ckpt.forecast.remedies import RunFacts
+from lightning_ckpt.measure.ledger import Ledger, model_state_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_ckpt.lightning.engine import CheckpointingEngine
@@ -369,9 +370,12 @@ class StepGuard:
                  if "memory/" in k}
         last = engine.last_result.ledger if engine.last_result is not None else None
         remedy = None
-        if last is not None and phase not in EVALUATION_PHASES:  # an evaluation loop has no training state to shrink
+        if phase not in EVALUATION_PHASES:  # an evaluation loop has no training state to shrink
             try:
-                remedy = oom_sentence(last, engine_facts(engine), engine.capacity)
+                if last is not None:
+                    remedy = oom_sentence(last, engine_facts(engine), engine.capacity)
+                elif engine.capacity is not None and engine.module is not None:  # the first step: its model state
+                    remedy = oom_sentence(_state_now(engine), engine_facts(engine), engine.capacity, measured=False)
             except Exception as failure:  # noqa: BLE001 - the out-of-memory diagnosis is raised whatever happens here
                 warnings.warn(f"lightning_ckpt: the remedies could not be priced ({failure!r}); the out-of-memory "
                               "diagnosis goes on without them.", stacklevel=2)
@@ -469,6 +473,18 @@ def engine_facts(engine: Any) -> RunFacts:
                      plan.spec if plan is not None else "none",
                      plan.num_checkpointed / plan.num_blocks if plan is not None and plan.num_blocks else 0.0,
                      bool(getattr(engine.settings, "zero_grad_before_forward", False)))
+
+
+def _state_now(engine: Any) -> Ledger:
+    """The model state at an error before any step was measured: walked now on the model's device, the optimizer's
+    first state counted as it will be allocated (:func:`~lightning_ckpt.forecast.measured.state_to_come`)."""
+    module = engine.module
+    trainer = getattr(module, "_trainer", None)
+    optimizers = list(trainer.optimizers) if trainer is not None else []
+    device = next(module.parameters()).device
+    state = model_state_bytes(module, optimizers, device=device)
+    return Ledger(params=state.params, grads=state.grads, optimizer=state.optimizer + state_to_come(optimizers),
+                  master=state.master, activations=0, capacity=engine.capacity)
 
 
 def measured_remedies_of(engine: Any) -> Optional[Dict[str, Any]]:

@@ -117,3 +117,19 @@ def test_run_facts_read_the_model_and_its_optimizer(make, kind):
     assert facts.params == sum(p.numel() for p in model.parameters())
     assert facts.trainable == facts.params - 160 and facts.width == 16 and facts.optimizer == kind
     assert optimizer_kind([]) == ""
+
+
+def test_the_state_an_optimizer_has_yet_to_allocate():
+    import torch
+
+    from lightning_ckpt.forecast.measured import state_to_come
+
+    model = nn.Linear(8, 8)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    adam = torch.optim.Adam(model.parameters())
+    assert state_to_come([adam]) == 2 * weights
+    model(torch.randn(2, 8)).sum().backward()
+    adam.step()
+    assert state_to_come([adam]) == 0  # allocated: the walk counts it
+    assert state_to_come([torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]) == weights
+    assert state_to_come([torch.optim.SGD(model.parameters(), lr=0.1)]) == 0

@@ -93,3 +93,31 @@ def test_an_evaluation_loops_out_of_memory_prices_no_training_remedy(tmp_path):
     text = "\n".join(getattr(err.value, "__notes__", []))
     assert text.startswith("lightning_ckpt: CUDA out of memory during the validation phase")
     assert "Try " not in text and "To make room" not in text
+
+
+class FirstStepAdam(torch.optim.Adam):
+    """Runs out of memory at its first step, before allocating its moments (as a real first step would)."""
+
+    def step(self, closure=None):
+        if closure is not None:
+            closure()
+        raise torch.OutOfMemoryError(OOM)
+
+
+class FailsAtTheFirstOptimizerStep(TinyTransformer):
+    def configure_optimizers(self):
+        return FirstStepAdam(self.parameters(), lr=1e-3)
+
+
+def test_an_out_of_memory_error_at_the_first_optimizer_step_prices_the_state_adam_is_about_to_allocate(tmp_path):
+    """No step was measured yet: the model state is walked at the error, Adam's two moments counted as it will
+    allocate them (twice the weights), so the optimizer line crosses 3.5 times the weights."""
+    seed_everything(0)
+    model = FailsAtTheFirstOptimizerStep(num_layers=4, d_model=128, batch_size=2)
+    trainer, _ = _fit(tmp_path, model)
+    with pytest.raises(OutOfMemoryDiagnosis) as err:
+        trainer.fit(model)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("lightning_ckpt: CUDA out of memory during the first optimizer step phase")
+    assert lines[1].startswith("Try ") and " first: in this run's model state (no step measured yet) the optimizer " \
+        "state line crosses " in lines[1]
