@@ -252,7 +252,7 @@ def test_shapes_quick_compares_the_three_ways_and_writes_every_verdicts_figure(t
     )
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a MISS (--quick is noise)
     (case,) = json.loads(out.read_text())
-    assert set(case["tokens_per_s"]) == {"per shape", "one plan", "anchor"}
+    assert set(case["tokens_per_s"]) == {"per shape", "one plan", "anchor", "none"} and case["ceiling"] > 0
     assert 0 < case["worst"] <= case["budget"] and case["rows"] and 0 < case["curriculum"]["peak"] <= case["budget"]
     assert case["calibration_steps"] and case["report"]["calibration_steps"] == case["calibration_steps"]
     errors = [r["error"] for r in case["rows"] if r["error"] is not None]
