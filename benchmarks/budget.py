@@ -17,11 +17,12 @@ configurations interleave (A/B/A/B, the order rotated every round).
    (ours / fixed).
 5. **Screening**: one untimed round, then ``--screen`` rounds of one step each for every configuration; per budget,
    the ``--candidates`` fitting anchors with the lowest median go on.
-6. **Verdict**: ``--rounds`` rounds in which, budget by budget, ours, the same plan fixed and those candidates run
-   one step each back to back (the order rotated every round), so that the steps compared are seconds apart. The
-   fastest fitting anchor is the candidate with the lowest median here; the ratio is the median over rounds of ours /
-   that anchor in the same round. Process CPU seconds are compared alike and printed beside (less sensitive to
-   other processes on a shared machine).
+6. **Verdict**: ``--rounds`` rounds in which, budget by budget, ours, the same plan fixed, those candidates and a
+   second Trainer of the first candidate (its *twin*: the same computation, whose ratio to it is the noise floor
+   printed beside the verdict) run one step each back to back (the order rotated every round), so that the steps
+   compared are seconds apart. The fastest fitting anchor is the candidate with the lowest median here; the ratio is
+   the median over rounds of ours / that anchor in the same round. Process CPU seconds are compared alike and
+   printed beside (less sensitive to other processes on a shared machine).
 
 Verdict per budget: **PASS** when that median ratio is ≤ 1.00, else **MISS** with its number. Printed beside it:
 the worst step's activations against the budget (calibration included; the end-of-fit report's ``budget`` figures),
@@ -180,11 +181,16 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
     screen, _ = T.interleave(everyone, args.screen, warmup=1)
     candidates = {pos: sorted((p for p in anchors if act[p] <= budget), key=lambda p: statistics.median(screen[p]))
                   [:args.candidates] for pos, budget in budgets.items()}
-    # the verdict: per budget, ours, the same plan fixed and those candidates, back to back in every round
-    groups = {pos: [ours[pos], fixed[pos], *(anchors[p] for p in candidates[pos])] for pos in budgets}
+    # the noise floor: the likeliest fastest candidate run a second time, in a Trainer of its own
+    twins = {pos: runner(f"{c[0]} twin {pos:.0%}", c[0]) for pos, c in candidates.items() if c}
+    for r in twins.values():
+        r.run(2)
+    # the verdict: per budget, ours, the same plan fixed, those candidates and the twin, back to back in every round
+    groups = {pos: [ours[pos], fixed[pos], *(anchors[p] for p in candidates[pos]), *([twins[pos]] if pos in twins
+                                                                                    else [])] for pos in budgets}
     wall, cpu = T.interleave_groups(groups, args.rounds)
     timed_modes = {pos: sorted(set(r.modes[start[r.name] + 1:])) for pos, r in ours.items()}
-    for r in [*anchors.values(), *fixed.values()]:
+    for r in [*anchors.values(), *fixed.values(), *twins.values()]:
         r.finish()
     figures, chosen = {}, {}
     for pos, r in ours.items():
@@ -205,6 +211,8 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
                    calibrated_s=calibrated_seconds(chosen[pos]))
         row["vs_fixed"] = T.paired(w[name], w[fixed[pos].name])
         row["vs_fixed_cpu"] = T.paired(c[name], c[fixed[pos].name])
+        if pos in twins:  # the same policy in two Trainers: how far apart the same computation reads here
+            row["twin"] = [candidates[pos][0], *T.paired(w[twins[pos].name], w[candidates[pos][0]])]
         row["added_ms"] = statistics.median(a - b for a, b in zip(c[name], c[fixed[pos].name])) * 1e3
         if fastest is not None:
             row.update(fastest_s=statistics.median(w[fastest]), fastest_mean_s=statistics.mean(w[fastest]),
@@ -255,6 +263,9 @@ def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: C
                  f"({r['added_ms']:+.1f} ms cpu a step)"]
         if r["fastest"] is not None:
             parts.append(f"that fixed plan / {r['fastest']} {_ratio_text(r['fixed_vs_fastest'][0])}")
+        if r.get("twin"):
+            policy, mid, lo, hi = r["twin"]
+            parts.append(f"noise floor: {policy} / {policy} in a second Trainer {mid:.3f} ({lo:.2f}-{hi:.2f})")
             parts.append(f"ratio of means {_ratio_text(r['ratio_of_means'])}")
         fixed = r["fixed_activations"]
         if fixed is not None:
