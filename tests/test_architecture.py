@@ -75,7 +75,8 @@ sys.modules["pytorch_lightning"] = None
 import torch
 import lightning_ckpt
 from lightning_ckpt import apply_policy, parse_policy, find_blocks, StepMeter
-import lightning_ckpt.decide.budget, lightning_ckpt.decide.controller, lightning_ckpt.decide.verify
+import lightning_ckpt.decide.budget, lightning_ckpt.decide.calibration, lightning_ckpt.decide.choose
+import lightning_ckpt.decide.controller, lightning_ckpt.decide.verify
 import lightning_ckpt.forecast.trace, lightning_ckpt.forecast.profile, lightning_ckpt.cli.main
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
 model = GPT(GPTConfig.tiny())

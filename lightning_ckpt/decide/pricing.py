@@ -4,7 +4,7 @@ A per-shape plan (:mod:`lightning_ckpt.decide.shapes`) must fit *before* the fir
 runs: afterwards is the out-of-memory error. :func:`price_shape` measures what the budget's solver needs — per block
 the bytes kept ``off``, the boundary, what ``selective`` keeps, what each replay creates, and the bytes outside the
 blocks (:class:`~lightning_ckpt.decide.budget.BlockCost`, ``base``) — for a batch of that shape, with the budget
-calibration's hooks (:class:`~lightning_ckpt.decide.budget.BudgetCalibration`, bytes only) on one whole-model step
+calibration's hooks (:class:`~lightning_ckpt.decide.calibration.BudgetCalibration`, bytes only) on one whole-model step
 and on one block alone per kind and mode (:func:`price_shape`; the calibration's five whole-model stages are
 :func:`price_shape_by_stages`), on the model being trained, without allocating it:
 
@@ -40,7 +40,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_ckpt.decide.budget import BlockCost, BudgetCalibration, _prefix_and_transient
+from lightning_ckpt.decide.budget import BlockCost, _prefix_and_transient
+from lightning_ckpt.decide.calibration import BudgetCalibration
 
 __all__ = ["PricingError", "ShapeCosts", "fake_state", "fake_steps", "hf_masks_as_on_real_tensors", "price_shape",
            "price_shape_by_stages", "trace_plans"]

@@ -37,7 +37,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from lightning_ckpt.core.policy import compiler_modes
 from lightning_ckpt.core.units import format_bytes
 from lightning_ckpt.decide.budget import (
-    BUDGET_MARGIN,
     BlockCost,
     BudgetPlan,
     mode_mix,
@@ -46,6 +45,7 @@ from lightning_ckpt.decide.budget import (
     run_eagerly,
     smallest_budget,
 )
+from lightning_ckpt.decide.choose import BUDGET_MARGIN, choose_checked
 from lightning_ckpt.decide.pricing import ShapeCosts
 from lightning_ckpt.decide.shapes import Shape, bucket_of
 
@@ -129,7 +129,8 @@ class ShapePlanner:
                       measured_peak: Optional[int] = None) -> None:
         """The calibration is over: the exact shape it ran at, its measured costs and bases, the peaks of the plans
         it ran (``measured``), its plan (``chosen``) and that plan's measured peak (``measured_peak``). The plan is
-        its bucket's when the shape is the bucket's own (its upper corner); otherwise the bucket is planned anew."""
+        the plan of the calibration's exact shape (a key of :attr:`plans` like a bucket, and its bucket's too when the
+        shape is the bucket's upper corner): corrected here, like any bucket's, when a step reads above it."""
         bucket = shape
         self.reference, self._measured = shape, ShapeCosts(tuple(costs), tuple(base))
         exact = dict(measured or {})
@@ -142,7 +143,7 @@ class ShapePlanner:
         steps = {b: p.steps for b, p in self.plans.items()}
         self.plans = {}  # earlier plans were priced without the calibration's measurements
         self._steps_before = steps
-        if chosen is not None and bucket_of(shape) == shape:
+        if chosen is not None:  # the calibration's shape has its plan here, like every bucket: one source of truth
             peak = exact.get(tuple(chosen.modes), chosen.predicted_peak)
             self.plans[bucket] = BucketPlan(bucket, tuple(chosen.modes), peak, peak <= self.target,
                                             chosen.smallest_budget, "calibration", steps=steps.get(bucket, 0))
@@ -340,27 +341,31 @@ class ShapePlanner:
         """What a plan's predicted peak must be within: the budget less its margin (bytes)."""
         return int(self.budget * (1 - self.margin))
 
-    def _choose(self, bucket: Shape, costs: List[BlockCost], base: Tuple[int, int],
-                tries: int = 12) -> Tuple[BudgetPlan, int]:
-        """Choose, trace the choice, choose again while its trace reads over the target: the fastest plan whose
-        known peak (traced, or measured here) fits. When ``tries`` traces find none, the fastest known plan that
-        fits, else the known plan with the lowest peak: never a plan nobody checked, marked as fitting."""
-        known = self.known(bucket)
-        for _ in range(tries):
-            chosen = plan_budget(costs, self.target, base=base, modes=self.modes, measured=known)
-            if chosen.modes in known or self._trace is None:
-                return chosen, known.get(tuple(chosen.modes), chosen.predicted_peak)
-            if self.traced(bucket, tuple(chosen.modes)) is None:  # cannot be traced: the model's figure
-                return chosen, chosen.predicted_peak
-            known = self.known(bucket)
-        seconds = {modes: sum(c.option(m).seconds for c, m in zip(costs, modes)) for modes in known}
-        fitting = [m for m, peak in known.items() if peak <= self.target]
-        modes = min(fitting, key=seconds.get) if fitting else min(known, key=known.get)
-        chosen = plan_budget(costs, self.target, base=base, modes=self.modes, measured={modes: known[modes]})
-        if chosen.modes != modes:  # the solver still prefers an unchecked plan: take the known one as it is
-            chosen = dataclasses.replace(chosen, modes=modes, predicted_peak=known[modes],
-                                         fits=known[modes] <= self.target)
-        return chosen, known[modes]
+    def _choose(self, bucket: Shape, costs: List[BlockCost], base: Tuple[int, int]) -> Tuple[BudgetPlan, int]:
+        """The one choose-check routine (:func:`~lightning_ckpt.decide.choose.choose_checked`): choose, trace the
+        choice, choose again while its trace reads over the target, settled on a plan whose peak is known (traced,
+        or measured here); its give-up rule otherwise. A plan that cannot be traced keeps the model's figure."""
+
+        def choose(known: Dict[Tuple[str, ...], int]) -> Tuple[str, ...]:
+            return tuple(plan_budget(costs, self.target, base=base, modes=self.modes, measured=known).modes)
+
+        def check(modes: Tuple[str, ...]) -> Optional[int]:
+            traced = self.traced(bucket, modes) if self._trace is not None else None
+            if traced is None:
+                return None
+            # in device bytes, as known() carries a trace (the reference's own traces included)
+            return round(traced * self.unit()) - self.compiled_savings(bucket, modes) + self._raise.get(bucket, 0)
+
+        def seconds(modes: Tuple[str, ...]) -> float:
+            return sum(c.option(m).seconds for c, m in zip(costs, modes))
+
+        modes, peak = choose_checked(choose, check, self.target, seconds, checked=self.known(bucket))
+        chosen = plan_budget(costs, self.target, base=base, modes=self.modes,
+                             measured={modes: peak} if peak is not None else None)
+        if chosen.modes != modes:  # the give-up rule's plan: taken as it is
+            chosen = dataclasses.replace(chosen, modes=modes, predicted_peak=peak, fits=peak <= self.target,
+                                         recompute_s=seconds(modes))
+        return chosen, chosen.predicted_peak if peak is None else peak
 
     def observe(self, bucket: Shape, modes: Sequence[str], measured: Optional[int], step_s: Optional[float] = None,
                 tokens_per_sec: Optional[float] = None, shape: Optional[Shape] = None) -> Optional[float]:

@@ -146,7 +146,7 @@ class ActivationCheckpointing(Callback):
     same batch one rung up the ladder until the ladder is exhausted.
 
     Budget (``policy="budget:18GiB"`` or ``"budget:0.5"`` of capacity): calibration steps (9 on the CPU, 13 on
-    CUDA; see :class:`lightning_ckpt.decide.budget.BudgetCalibration`) measure every block's bytes kept, replay
+    CUDA; see :class:`lightning_ckpt.decide.calibration.BudgetCalibration`) measure every block's bytes kept, replay
     transient and time in each mode, :func:`lightning_ckpt.decide.budget.plan_budget` picks, per block, ``off``,
     ``selective``, ``recompute`` or (CUDA) ``offload`` for the fastest plan whose predicted activation peak fits,
     the next step is measured against the prediction, and the plan is corrected once if it does not fit. The plan

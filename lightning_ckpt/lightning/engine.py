@@ -36,7 +36,8 @@ from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.units import GiB, format_bytes
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
 from lightning_ckpt.decide.anatomy import anatomy_text, model_anatomy
-from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration, mode_mix
+from lightning_ckpt.decide.budget import mode_mix
+from lightning_ckpt.decide.calibration import COMPILER_FRACTIONS, BudgetCalibration
 from lightning_ckpt.decide.controller import Controller, resolve_threshold
 from lightning_ckpt.decide.diagnosis import PhaseTracker
 from lightning_ckpt.decide.escalation import host_room, offload_refusal
@@ -378,7 +379,7 @@ class CheckpointingEngine:
             calibrating = self.calibration is not None and not self.calibration.done
             if self.shapes is not None:  # the bucket's plan; the calibration's stage on its own bucket
                 self.shapes.before_micro_batch(trainer, batch, first=True)
-            elif calibrating:
+            elif calibrating or (self.calibration is not None and self.calibration.pending):
                 self.calibration.begin_step()
             if self.gate is not None:  # the threshold for this batch's shape, before its forward
                 self.gate.before_micro_batch(trainer, batch, first=True)
@@ -514,8 +515,10 @@ class CheckpointingEngine:
                 self.info(message)
             self.calibration.messages.clear()
             self._warn_if_infeasible()
-            if self.shapes is not None and self.calibration.done:
-                self.shapes.calibration_done()
+        # done at a step's end, or settled when its verifying step ran out of memory: the planner's reference now
+        if self.shapes is not None and self.calibration is not None and self.calibration.done and \
+                self.shapes.planner.reference is None:
+            self.shapes.calibration_done()
 
     def _settle_owed(self, trainer: "pl.Trainer", result: StepResult) -> None:
         """The time and throughput of the logged reference steps waiting for them, from this step when it is an

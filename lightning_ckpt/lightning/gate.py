@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from lightning_ckpt.core.units import format_bytes
+from lightning_ckpt.decide.choose import choose_checked
 from lightning_ckpt.decide.pricing import PricingError
 from lightning_ckpt.decide.shapes import Shape, bucket_of
 from lightning_ckpt.lightning.shaped import ShapeReader
@@ -99,18 +100,25 @@ class ShapeGate(ShapeReader):
         return self.needed[bucket]
 
     def _plan(self, bucket: Shape) -> None:
-        """Trace the rungs at the bucket's shape, from the controller's up, until one is under the threshold."""
+        """The budget's choose-check routine (:func:`~lightning_ckpt.decide.choose.choose_checked`) over the rungs:
+        choose the lowest rung from the controller's up not traced over the threshold, trace it at the bucket's
+        shape, choose again; when every rung reads over, the one with the lowest traced peak."""
         ladder, unit = self.engine.settings.ladder, self.unit()
         start = self.engine.controller.level
-        for level in range(start, len(ladder)):
-            peak = round(self.trace(bucket, [ladder[level]])[0] * unit)
-            self.needed[bucket], self.predicted[bucket] = level, peak
-            if peak <= self.threshold:
-                break
-        if self.needed[bucket] > start or self.predicted[bucket] > self.threshold:
-            fits = "" if self.predicted[bucket] <= self.threshold else " (over the threshold even there)"
-            self.engine.info(f"bucket {bucket}: at least policy {ladder[self.needed[bucket]]!r} before the step, "
-                             f"predicted activation peak {format_bytes(self.predicted[bucket])} against the threshold "
+
+        def choose(checked: Dict[int, int]) -> int:
+            under = [level for level in range(start, len(ladder)) if checked.get(level, 0) <= self.threshold]
+            return under[0] if under else min(checked, key=lambda level: (checked[level], level))
+
+        def check(level: int) -> int:
+            return round(self.trace(bucket, [ladder[level]])[0] * unit)
+
+        level, peak = choose_checked(choose, check, self.threshold, seconds=float, tries=len(ladder) - start)
+        self.needed[bucket], self.predicted[bucket] = level, peak
+        if level > start or peak > self.threshold:
+            fits = "" if peak <= self.threshold else " (over the threshold even there)"
+            self.engine.info(f"bucket {bucket}: at least policy {ladder[level]!r} before the step, "
+                             f"predicted activation peak {format_bytes(peak)} against the threshold "
                              f"{format_bytes(self.threshold)}{fits}")
 
     def after_step(self, activations: Optional[int]) -> None:

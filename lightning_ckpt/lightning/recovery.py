@@ -46,7 +46,7 @@ optimizer itself.
 
 A ``budget:`` policy's calibration retries its own out-of-memory steps whatever ``on_oom`` says (one process): the
 calibration chose that plan, not the user. The stage is recorded as not fitting and the step is retried one rung up
-without being recorded as any stage (:meth:`lightning_ckpt.decide.budget.BudgetCalibration.out_of_memory`).
+without being recorded as any stage (:meth:`lightning_ckpt.decide.calibration.BudgetCalibration.out_of_memory`).
 
 Several processes (DDP, FSDP): a retry on one rank would meet its peers inside a collective of another step, so
 the rank stops with the diagnosis and publishes it in the process group's store; its peers stop when their

@@ -7,7 +7,7 @@ every micro-batch's forward (``on_train_batch_start``) it reads the batch's buck
 change between one micro-batch's backward and the next forward, so each micro-batch of an accumulation window may
 have its own plan.
 
-- **The calibration's shape.** The budget's calibration (:class:`~lightning_ckpt.decide.budget.BudgetCalibration`)
+- **The calibration's shape.** The budget's calibration (:class:`~lightning_ckpt.decide.calibration.BudgetCalibration`)
   runs its stages on batches of the first batch's exact shape (its per-block bytes are that shape's), and a batch of
   exactly that shape runs the calibration's own plan, measured and verified (its modes may include the compiler's
   budgets, ``compiler:<f>``, which the per-bucket plans also carry). Every stage is predicted before it runs from
@@ -281,8 +281,8 @@ class ShapeSteps(ShapeReader):
         if not calibration.done:
             self._calibration_micro_batch(trainer, shape, bucket, first)
             return
-        if shape == self.calibration_shape and calibration.chosen is not None:
-            self._apply_modes(tuple(calibration.chosen.modes), bucket, "the calibration's own shape")
+        if shape == self.calibration_shape and shape in self.planner.plans:  # its own plan, checked like a bucket's
+            self._apply(self._plan(trainer, shape))
             return
         self._apply(self._plan(trainer, bucket))
 
@@ -462,6 +462,8 @@ class ShapeSteps(ShapeReader):
         # micro-batches of several shapes: the figure is the step's, not one shape's
         mixed = len(self._step_shapes) > 1
         shape = next(iter(self._step_shapes)) if self._step_shapes else None
+        if not mixed and shape == self.calibration_shape and shape in self.planner.plans:
+            bucket = shape  # the calibration's own shape: its plan is checked where it is kept
         error = self.planner.observe(bucket, self.engine.plan.modes, None if mixed else activations, step_s,
                                      tokens_per_sec, shape=None if mixed else shape)
         metrics[key("shape/samples")] = float(bucket.samples)

@@ -17,7 +17,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from lightning_ckpt.core.wrap import apply_policy
 from lightning_ckpt.decide.block_timing import capture_block_input, saved_block_bytes, time_block_modes
-from lightning_ckpt.decide.budget import BudgetCalibration
+from lightning_ckpt.decide.calibration import BudgetCalibration
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
 from lightning_ckpt.measure.meter import StepMeter
 

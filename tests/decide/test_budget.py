@@ -6,12 +6,12 @@ import torch
 from lightning_ckpt.core.wrap import apply_policy
 from lightning_ckpt.decide.budget import (
     BlockCost,
-    BudgetCalibration,
     ModeCost,
     plan_budget,
     predict_peak,
     smallest_budget,
 )
+from lightning_ckpt.decide.calibration import BudgetCalibration
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
 from lightning_ckpt.measure.tracker import LiveBytes
 
@@ -628,9 +628,9 @@ def test_a_verifying_step_off_by_more_than_the_margin_is_corrected_and_the_corre
         if calibration.done:
             break
         calibration.begin_step()
-    from lightning_ckpt.decide.budget import MAX_VERIFICATIONS
+    from lightning_ckpt.decide.choose import MAX_CHECKS
 
-    assert 2 <= calibration.verifications <= MAX_VERIFICATIONS
+    assert 2 <= calibration.verifications <= MAX_CHECKS
     chosen = calibration.chosen
     assert chosen.modes != first.modes  # the plan that read over the budget is never taken again
     assert tuple(plan.modes) == chosen.modes and calibration.measured == readings[chosen.modes] <= calibration.budget

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from lightning_ckpt.core.wrap import apply_policy
-from lightning_ckpt.decide.budget import BudgetCalibration, predict_peak
+from lightning_ckpt.decide.budget import predict_peak
+from lightning_ckpt.decide.calibration import BudgetCalibration
 from lightning_ckpt.decide.pricing import PricingError, fake_state, price_shape, price_shape_by_stages, trace_plans
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
 from lightning_ckpt.measure.meter import StepMeter

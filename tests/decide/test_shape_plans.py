@@ -170,3 +170,20 @@ def test_a_traced_plan_with_compiled_blocks_is_known_less_their_savings():
     assert "compiler:0" in plan.modes and plan.fits
     traced = trace(LONG, [plan.modes])[0]
     assert planner.known(LONG)[plan.modes] == traced - planner.compiled_savings(LONG, plan.modes) < traced
+
+
+def test_when_every_trace_reads_over_the_budget_the_plan_kept_is_one_that_was_traced_and_says_it_does_not_fit():
+    """The choose-trace loop gives up after its checks with the lowest traced peak, never an untraced plan said to
+    fit (before: the fifth choice, untraced, marked as fitting)."""
+    traced = {}
+
+    def trace(bucket, plans):  # 50 % above the model for every plan: nothing the model picks really fits
+        fake = _fake(bucket)
+        peaks = [round(predict_peak(list(fake.costs), m, fake.base) * 1.5) for m in plans]
+        traced.update(zip(map(tuple, plans), peaks))
+        return peaks
+
+    planner = ShapePlanner(60 * KiB, ("recompute", "selective"), _fake, trace)
+    plan = planner.plan(LONG)
+    assert plan.modes in traced and plan.predicted_peak == traced[plan.modes]
+    assert plan.predicted_peak == min(traced.values()) and not plan.fits

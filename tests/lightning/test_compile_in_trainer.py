@@ -122,7 +122,7 @@ def test_budget_mixes_the_compilers_per_block_budgets_when_blocks_compile_one_by
     from _lightning_models import BlockCompiledGPT
 
     from lightning_ckpt.decide import block_timing
-    from lightning_ckpt.decide.budget import COMPILER_FRACTIONS
+    from lightning_ckpt.decide.calibration import COMPILER_FRACTIONS
 
     real_seconds, real_kept = block_timing.time_block_modes, block_timing.saved_block_bytes
 

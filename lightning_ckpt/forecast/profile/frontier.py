@@ -3,7 +3,7 @@
 ``lightning-ckpt frontier pkg.module:Class`` (or :func:`frontier`) answers "what is the fastest way to fit this
 run in this card?" for a whole range of cards at once:
 
-1. **Calibrate** (plain PyTorch, no Trainer): :class:`~lightning_ckpt.decide.budget.BudgetCalibration` runs its
+1. **Calibrate** (plain PyTorch, no Trainer): :class:`~lightning_ckpt.decide.calibration.BudgetCalibration` runs its
    steps — every mode on the even, then the odd blocks — and measures each block's bytes kept, replay transient
    and time per mode (``recompute`` and ``selective``; ``offload`` on CUDA).
 2. **Fixed modes** (:data:`ANCHORS`): ``none``, ``all``, ``selective``, ``every:2``, ``first:N`` … each measured
@@ -45,7 +45,8 @@ from torch import nn
 from lightning_ckpt.core.policy import COMPILER_MODE, parse_policy
 from lightning_ckpt.core.units import MiB, format_bytes, parse_size
 from lightning_ckpt.core.wrap import apply_policy
-from lightning_ckpt.decide.budget import COMPILER_FRACTIONS, BudgetCalibration, mode_mix, plan_budget, smallest_budget
+from lightning_ckpt.decide.budget import mode_mix, plan_budget, smallest_budget
+from lightning_ckpt.decide.calibration import COMPILER_FRACTIONS, BudgetCalibration
 from lightning_ckpt.forecast.load import build_model, lightning_step, load_init_args, make_optimizers
 from lightning_ckpt.forecast.precision import parse_precision
 from lightning_ckpt.measure.meter import StepMeter
