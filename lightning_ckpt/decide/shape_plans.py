@@ -359,9 +359,11 @@ class ShapePlanner:
         def seconds(modes: Tuple[str, ...]) -> float:
             return sum(c.option(m).seconds for c, m in zip(costs, modes))
 
-        modes, peak = choose_checked(choose, check, self.target, seconds, checked=self.known(bucket))
-        chosen = plan_budget(costs, self.target, base=base, modes=self.modes,
-                             measured={modes: peak} if peak is not None else None)
+        known = self.known(bucket)
+        modes, peak = choose_checked(choose, check, self.target, seconds, checked=known)
+        if peak is not None:
+            known[modes] = peak
+        chosen = plan_budget(costs, self.target, base=base, modes=self.modes, measured=known or None)
         if chosen.modes != modes:  # the give-up rule's plan: taken as it is
             chosen = dataclasses.replace(chosen, modes=modes, predicted_peak=peak, fits=peak <= self.target,
                                          recompute_s=seconds(modes))

@@ -187,3 +187,21 @@ def test_when_every_trace_reads_over_the_budget_the_plan_kept_is_one_that_was_tr
     plan = planner.plan(LONG)
     assert plan.modes in traced and plan.predicted_peak == traced[plan.modes]
     assert plan.predicted_peak == min(traced.values()) and not plan.fits
+
+
+def test_the_calibrations_own_shape_is_a_bucket_whose_plan_a_reading_over_it_chooses_again():
+    """One source of truth: the calibration's plan is the plan of its shape in ``plans``, so a step of that shape
+    reading over the budget marks it stale and the next step of that shape runs a stronger plan."""
+    from lightning_ckpt.decide.budget import plan_budget
+
+    planner = ShapePlanner(60 * KiB, ("recompute",), _fake)
+    fake = _fake(LONG)
+    chosen = plan_budget(list(fake.costs), planner.target, base=fake.base, modes=("recompute",))
+    peak = predict_peak(list(fake.costs), chosen.modes, fake.base)
+    planner.set_reference(LONG, list(fake.costs), fake.base, chosen=chosen, measured_peak=peak)
+    first = planner.plan(LONG)
+    assert planner.plans[LONG] is first and first.modes == tuple(chosen.modes) and first.source == "calibration"
+    planner.observe(LONG, first.modes, 61 * KiB)  # the calibration's own shape steps over the budget
+    assert first.stale
+    again = planner.plan(LONG)
+    assert sum(m == "recompute" for m in again.modes) > sum(m == "recompute" for m in first.modes)
