@@ -22,15 +22,20 @@ Times are not priced here (fake kernels take no time): the caller scales the mea
 
 Known limitations: a model that reads parameter or buffer *values* in its step (``.item()`` on a weight) cannot be
 traced on fake tensors, and a sharded one (FSDP's ``DTensor`` parameters) is not swapped; :class:`PricingError`
-says which, and the caller falls back. The step is the module's own: code in it with side effects beyond tensors
-(a Python counter, a list it appends to) sees the priced calls too, a few per shape.
+says which, and the caller falls back. An error of the plugin's own code is raised as it is, never turned into a
+fallback (:func:`_raised_by_the_plugin` reads whose it is from the frame that raised it). The step is the module's
+own: code in it with side effects beyond tensors (a Python counter, a list it appends to) sees the priced calls
+too, a few per shape.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
+import sysconfig
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
@@ -234,6 +239,36 @@ def _fresh_leaf(value: Any) -> Any:
     return value
 
 
+_PLUGIN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DEMOS_DIR = os.path.join(_PLUGIN_DIR, "demos")
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"])
+_CALL_ERRORS = (TypeError, AttributeError, NameError, KeyError, IndexError, AssertionError)
+
+
+def _raised_by_the_plugin(err: BaseException) -> bool:
+    """Whether an error in a fake step is the plugin's own bug rather than the model's.
+
+    The frame that raised it decides: a frame of the plugin's code (its demos excepted: they are models) is ours. An
+    error raised inside torch or the standard library belongs to the nearest caller outside them: ours only for the
+    errors of a wrong call (a ``TypeError``, a missing attribute…) — torch's own refusals on fake tensors (a value
+    read, an unsupported op) are the model's, whoever called into torch."""
+    frames = [os.path.abspath(frame.filename) for frame in traceback.extract_tb(err.__traceback__)]
+
+    def ours(path: str) -> bool:
+        return path.startswith(_PLUGIN_DIR + os.sep) and not path.startswith(_DEMOS_DIR + os.sep)
+
+    def library(path: str) -> bool:
+        return path.startswith(_TORCH_DIR + os.sep) or path.startswith(_STDLIB_DIR + os.sep)
+
+    if not frames:
+        return False
+    if ours(frames[-1]):
+        return True
+    caller = next((path for path in reversed(frames) if not library(path)), None)
+    return caller is not None and ours(caller) and isinstance(err, _CALL_ERRORS)
+
+
 @contextlib.contextmanager
 def _fake_session(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Tensor], batch: Any,
                   context: Callable[[], Any]) -> Iterator[_FakeSession]:
@@ -253,7 +288,10 @@ def _fake_session(model: nn.Module, plan: Any, loss_fn: Callable[[Any], torch.Te
             yield _FakeSession(mode, meter, params, loss_fn, batch, context)
     except PricingError:
         raise
-    except Exception as err:  # the model's step could not run on fake tensors: the caller falls back
+    except Exception as err:
+        if _raised_by_the_plugin(err):  # a bug of ours: falling back would hide it
+            raise
+        # the model's step could not run on fake tensors: the caller falls back
         raise PricingError(f"{type(err).__name__}: {err}") from err
     finally:
         plan.retarget(saved_policy)  # the policy, not only its modes: group:K regions come back too

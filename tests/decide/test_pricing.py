@@ -118,6 +118,42 @@ def test_a_step_that_cannot_run_on_fake_tensors_is_a_pricing_error_and_changes_n
     _loss(model)(_batch(16)).backward()
 
 
+def test_an_error_of_the_plugins_own_code_is_raised_not_taken_for_a_model_that_cannot_be_traced(monkeypatch):
+    """A model that cannot run on fake tensors falls back (above); a bug of ours must not hide behind that fallback.
+    A builtin in the plugin's place raises from the plugin's own line, as a bug would."""
+    model, plan = _gpt()
+    monkeypatch.setattr(StepMeter, "watch", int)  # int(model): TypeError in pricing.py's own frame
+    with pytest.raises(TypeError, match="int"):
+        price_shape(model, plan, _loss(model), _batch(16))
+    assert plan.modes == ("off",) * 4
+
+
+@pytest.mark.parametrize("where, raise_in, error, ours", [
+    ("lightning_ckpt/x.py", "here", ValueError, True),  # raised by our own line
+    ("lightning_ckpt/demos/gpt.py", "here", ValueError, False),  # the demos are models
+    ("model.py", "here", TypeError, False),  # the user's model
+    ("lightning_ckpt/x.py", "torch", ValueError, False),  # torch refuses what it is given: the model's
+    ("lightning_ckpt/x.py", "torch", TypeError, True),  # a wrong call of ours into torch
+])
+def test_whose_error_is_read_from_the_frame_that_raised_it(where, raise_in, error, ours):
+    import os
+
+    import lightning_ckpt
+    from lightning_ckpt.decide import pricing
+
+    root = os.path.dirname(os.path.dirname(lightning_ckpt.__file__))
+    path = os.path.join(root, where)
+    # a raise inside torch's own Python: a frame whose file is torch's
+    torch_file = os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py")
+    namespace = {}
+    exec(compile("def inside_torch(error):\n    raise error('refused')\n", torch_file, "exec"), namespace)
+    exec(compile("def step(error, inside_torch, here):\n    if here:\n        raise error('x')\n"
+                 "    inside_torch(error)\n", path, "exec"), namespace)
+    with pytest.raises(error) as caught:
+        namespace["step"](error, namespace["inside_torch"], raise_in == "here")
+    assert pricing._raised_by_the_plugin(caught.value) is ours
+
+
 @pytest.mark.parametrize("price, failing_call", [(price_shape_by_stages, 3), (price_shape, 1)])
 def test_a_failed_pricing_leaves_no_hook_behind(price, failing_call):
     from lightning_ckpt.core import replay
