@@ -67,7 +67,7 @@ from lightning_ckpt.lightning.metrics import (
     tensorboard_layout,
 )
 from lightning_ckpt.lightning.ranks import HostGroup
-from lightning_ckpt.lightning.recovery import StepGuard
+from lightning_ckpt.lightning.recovery import StepGuard, measured_remedies_of
 from lightning_ckpt.lightning.settings import Settings
 from lightning_ckpt.lightning.shaped import ShapeSteps
 from lightning_ckpt.lightning.snapshot import DEFAULT_MAX_ENTRIES, OOMSnapshot
@@ -667,7 +667,8 @@ class CheckpointingEngine:
         reading = length_reading(sorted(widest.items()))
         data = ledger_report(self.last_result.ledger, plan.spec if plan else "none", self.settings.ladder,
                              history={"activations_vs_seq_len": reading} if reading else None,
-                             all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks))
+                             all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks),
+                             remedies=measured_remedies_of(self))
         chosen = self.calibration.chosen if self.calibration is not None else None
         if chosen is not None:
             data["budget_plan"] = {

@@ -61,6 +61,16 @@ def test_a_fit_whose_optimizer_line_crosses_the_capacity_names_it_and_an_8_bit_s
     assert "- The optimizer state line crosses" in text and ": checkpointing cannot help. Try first:" in text
     assert any(line.startswith("  8-bit optimizer state") and "fits, changes the training" in line
                for line in text.splitlines())
+    # the end-of-fit report itself (text and JSON file) carries the same rows and the sentence
+    import json
+    import os
+
+    shown = cb.report(trainer)
+    written = json.loads(open(os.path.join(trainer.log_dir or trainer.default_root_dir,
+                                           "lightning_ckpt_report.json")).read())
+    for key in ("remedies", "recommended", "recommended_any", "remedy"):
+        assert written[key] == json.loads(json.dumps(data[key])), key
+    assert ": checkpointing cannot help. Try first:" in shown
 
 
 def test_an_out_of_memory_error_after_a_measured_step_says_which_remedy_to_try_first(tmp_path):
