@@ -98,7 +98,18 @@ def phase_advice(ledger: Ledger) -> Optional[str]:
         return (head + " In backward, gradients build while activations are freed and each checkpointed region's "
                 "replay adds its interior: use smaller regions (no 'group:K'), or shard or accumulate the "
                 "gradients in a lower precision when the grads line leads.")
+    if dominant in _STATE_REMEDY:  # the seed: "if the bottleneck is optimizer state, checkpointing is the wrong tool"
+        return (head + f" Checkpointing lowers only the activations here, not the {dominant} line: "
+                f"{_STATE_REMEDY[dominant]}.")
     return head + " In the forward the activations pile up: checkpointing (or a smaller micro-batch) is the lever."
+
+
+_STATE_REMEDY = {
+    "optimizer": "use an optimizer with a smaller state (8-bit, factored), parameter-efficient fine-tuning, sharding "
+                 "or offload",
+    "params": "load the weights in a lower precision (bf16, or 4-bit with adapters), or shard them",
+    "grads": "train fewer parameters (adapters), keep gradients in a lower precision, or shard them",
+}
 
 
 def ledger_report(ledger: Ledger, policy: str, ladder: Sequence[str], history: Optional[Dict[str, Any]] = None,
