@@ -259,3 +259,17 @@ def test_shapes_quick_compares_the_three_ways_and_writes_every_verdicts_figure(t
     assert errors and all(abs(e) < 0.05 for e in errors)  # CPU: the trace is the meter's own count
     for word in ("(a)/(c) tokens/s", "largest step (the callback's figure", "prediction error", "curriculum"):
         assert word in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_plan_model_times_and_weighs_the_command_a_user_types():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plan_model.py"), "--factory",
+         "lightning_ckpt.demos.factories:gpt2_config", "--seq-len", "64"],
+        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "try first" in proc.stdout
+    for name in ("wall time", "peak memory"):
+        line = next(line for line in proc.stdout.splitlines() if line.startswith(name))
+        assert "target <" in line and line.split()[-1] in ("PASS", "MISS")
