@@ -32,7 +32,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     args = parser.parse_args()
     command = [sys.executable, "-m", "lightning_ckpt.cli.main", "plan", "--model", args.factory,
-               "--param-dtype", "bf16", "--master-dtype", "fp32", "--seq-len", str(args.seq_len), "--capacity", "80GiB", "--remedies"]
+               "--param-dtype", "bf16", "--master-dtype", "fp32", "--seq-len", str(args.seq_len),
+               "--capacity", "80GiB", "--remedies"]
     print("$ " + " ".join(command[2:]) + f"   (load average {load_average()})")
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
