@@ -240,10 +240,14 @@ def run(rank, world, out):
     from lightning_ckpt.measure.ledger import model_state_bytes
     torch.manual_seed(0)
     model = tiny_gpt()
-    from torch.distributed.fsdp import fully_shard
-    for block in model.transformer.h:
-        fully_shard(block)
-    wrapped = fully_shard(model)
+    if os.environ["STRATEGY"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        wrapped = DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for block in model.transformer.h:
+            fully_shard(block)
+        wrapped = fully_shard(model)
     opt = torch.optim.AdamW(model.parameters())
     idx = torch.randint(0, 96, (2, 32))
     wrapped(idx, idx)[1].backward()
@@ -260,10 +264,11 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_on_gloo_holds_per_rank_what_the_plan_says(tmp_path, world):
-    """fully_shard on every block and the root, AdamW, one step on ``world`` gloo processes: each rank's parameters,
-    gradients and optimizer state (the ledger's walk: DTensors as their local shards) within 2 % of the plan's."""
+@pytest.mark.parametrize("strategy, world", [("fsdp", 2), ("fsdp", 4), ("ddp", 2)])
+def test_each_rank_holds_what_the_plan_says_under_fsdp2_and_ddp_on_gloo(tmp_path, strategy, world):
+    """``fully_shard`` on every block and the root (or ``DistributedDataParallel``), AdamW, one step on ``world``
+    gloo processes: each rank's parameters, gradients and optimizer state (the ledger's walk: DTensors as their
+    local shards) within 2 % of the plan's for that strategy."""
     import os
     import socket
     import subprocess
@@ -277,7 +282,7 @@ def test_fsdp2_on_gloo_holds_per_rank_what_the_plan_says(tmp_path, world):
         port = s.getsockname()[1]
     script = tmp_path / "ranks.py"
     script.write_text(_FSDP2_RANKS)
-    env = {**os.environ, "PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "STRATEGY": strategy}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(script), str(world), str(tmp_path / "rank")], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -286,7 +291,7 @@ def test_fsdp2_on_gloo_holds_per_rank_what_the_plan_says(tmp_path, world):
 
     job = Job.from_forecast(forecast_model(tiny_gpt, micro_batch=2, seq_len=32, policies=("none",),
                                            optimizer="adamw"))
-    plan = price(job, Layout("fsdp", strategy="fsdp", world_size=world)).lines
+    plan = price(job, Layout(strategy, strategy=strategy, world_size=world)).lines
     for rank in range(world):
         got = json.loads((tmp_path / f"rank.{rank}").read_text())
         assert got["params"] == pytest.approx(plan["parameters"], rel=0.02)
