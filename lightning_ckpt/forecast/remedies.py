@@ -19,8 +19,9 @@ Per rank (:data:`STRATEGIES`; N ranks, T trainable parameters, ring collectives 
                            (the one running and the one prefetched) and, in backward, one block's gradients
 ``fsdp`` (FSDP2)           parameters, gradients, optimizer state, master copy /N, plus two blocks'
                            unsharded parameters in flight and one block's unsharded gradients in backward
-``…_offload``              the optimizer state, master copy and fp32 gradient partition on the host (stage 3
-                           and ``fsdp_offload`` also the sharded parameters and gradients)
+``…_offload``              the optimizer state, master copy and fp32 gradient partition on the host (stage 1's
+                           whole gradients stay on the GPU; stages 2 and 3 and ``fsdp_offload`` move their sharded
+                           gradients, stage 3 and ``fsdp_offload`` the sharded parameters too)
 =========================  ================================================================================
 
 DeepSpeed's ``estimate_zero2_model_states_mem_needs`` (``4·P + 16·P/N``) and
@@ -347,7 +348,7 @@ def price(job: "Job | ForecastInputs", layout: Layout) -> Remedy:
              "master copy": master / N if "m" in sharded else master}
     in_flight = _in_flight(layout, job, t)
     lines["gradients"] += partition / N
-    host = _offloaded(layout, lines)
+    host = _offloaded(layout, lines, partition / N)
     micro = job.micro_batch // layout.accumulation // (N if layout.split_batch else 1)
     act_full = job.activations[layout.policy] * micro // job.micro_batch
     act = min(act_full, job.interior * micro // job.micro_batch) if layout.activation_offload else act_full
@@ -380,16 +381,21 @@ def _in_flight(layout: Layout, job: Job, t: float) -> Dict[str, float]:
     return {"persistent": 0, "forward": 0, "backward": 0}
 
 
-def _offloaded(layout: Layout, lines: Dict[str, float]) -> float:
-    """Moves what offload keeps on the host out of ``lines``; returns its bytes."""
+def _offloaded(layout: Layout, lines: Dict[str, float], partition: float) -> float:
+    """Moves what offload keeps on the host out of ``lines``; returns its bytes. ``partition``: DeepSpeed's fp32
+    gradient partition, part of the ``gradients`` line."""
     if not layout.strategy.endswith("_offload"):
         return 0.0
     names = ["optimizer state", "master copy"]
     if layout.strategy in ("deepspeed_stage_3_offload", "fsdp_offload"):
         names += ["parameters"]
-    if layout.strategy.startswith("deepspeed") or layout.strategy == "fsdp_offload":
-        names += ["gradients"]  # the fp32 partition the host optimizer steps (FSDP2: the sharded gradients)
     host = 0.0
+    if layout.strategy == "deepspeed_stage_1_offload":
+        # stage 1 does not partition the gradients: each rank's whole gradients stay on the GPU through backward,
+        # only the fp32 partition the host optimizer steps moves
+        host, lines["gradients"] = partition, lines["gradients"] - partition
+    elif layout.strategy.startswith("deepspeed") or layout.strategy == "fsdp_offload":
+        names += ["gradients"]  # the fp32 partition the host optimizer steps (FSDP2: the sharded gradients)
     for name in names:
         host, lines[name] = host + lines[name], 0
     return host

@@ -141,6 +141,29 @@ def test_fsdp_and_ddp_per_gpu():
     assert off.lines["optimizer state"] == 0 and off.lines["host"] > 0
 
 
+def test_zero_1_and_the_offload_forms_per_gpu():
+    """ZeRO-1 shards the optimizer state and master copy only: the gradients stay whole on every GPU, plus the fp32
+    partition an fp32 master copy needs (T·4/N); with offload only that partition, the state and the master copy
+    leave the GPU (the whole gradients stay: stage 1 does not partition them). FSDP2 with offload keeps nothing of
+    the model state on the GPU between steps."""
+    inputs = ForecastInputs(params=P, master_dtype="fp32")
+    one = price(inputs, Layout("one")).lines
+    stage1 = price(inputs, Layout("z1", strategy="deepspeed_stage_1", world_size=4))
+    assert stage1.lines["parameters"] == one["parameters"]
+    assert stage1.lines["optimizer state"] == one["optimizer state"] / 4
+    assert stage1.lines["master copy"] == one["master copy"] / 4
+    assert stage1.lines["gradients"] == one["gradients"] + 4 * P / 4
+    off1 = price(inputs, Layout("z1o", strategy="deepspeed_stage_1_offload", world_size=4))
+    assert off1.lines["gradients"] == one["gradients"]
+    assert off1.lines["optimizer state"] == off1.lines["master copy"] == 0
+    assert off1.lines["host"] == (one["optimizer state"] + one["master copy"] + 4 * P) / 4
+    assert off1.phases["backward"] >= off1.lines["parameters"] + off1.lines["gradients"]
+    fsdp_off = price(inputs, Layout("fo", strategy="fsdp_offload", world_size=4))
+    assert all(fsdp_off.lines[k] == 0 for k in ("parameters", "gradients", "optimizer state", "master copy"))
+    assert fsdp_off.lines["host"] == (one["parameters"] + one["gradients"] + one["optimizer state"]
+                                      + one["master copy"]) / 4
+
+
 def test_cli_remedies_json_and_table(capsys):
     assert main(SEED + ["--remedies", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
