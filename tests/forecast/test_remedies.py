@@ -164,6 +164,33 @@ def test_zero_1_and_the_offload_forms_per_gpu():
                                       + one["master copy"]) / 4
 
 
+def test_fsdp2_holds_two_blocks_unsharded_in_the_forward_and_one_blocks_gradients_more_in_backward():
+    from lightning_ckpt.forecast.remedies import Job
+
+    job = Job.from_numbers(ForecastInputs(params=P, master_dtype="fp32"))
+    gathered = job.block_params * job.param_bytes
+    for world in (2, 4):
+        row = price(job, Layout("fsdp", strategy="fsdp", world_size=world))
+        held = sum(row.lines[k] for k in ("parameters", "gradients", "optimizer state", "master copy", "activations"))
+        assert row.phases["forward"] - held == pytest.approx(2 * gathered, abs=4)  # the running and prefetched block
+        assert row.lines["parameters"] == pytest.approx(job.params * job.param_bytes / world, abs=1)
+
+
+@pytest.mark.parametrize("strategy, sharded", [("ddp", ""), ("deepspeed_stage_1", "o"), ("deepspeed_stage_2", "go"),
+                                               ("deepspeed_stage_3", "pgo"), ("fsdp", "pgo")])
+def test_plan_model_lays_each_strategy_out_per_rank(strategy, sharded, capsys):
+    """With --model, each rank's lines are the traced model's, divided by the world size where the strategy shards
+    them (an fp32 model: no master copy, so no fp32 gradient partition)."""
+    assert main(["plan", "--model", "lightning_ckpt.demos.factories:tiny_gpt", "--seq-len", "32", "--policies",
+                 "none", "--strategy", strategy, "--world-size", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    lines = data["per_rank"]["none"]["lines"]
+    for line, key, letter in (("parameters", "params", "p"), ("gradients", "grads", "g"),
+                              ("optimizer state", "optimizer", "o")):
+        assert lines[line] == pytest.approx(data[key] / (2 if letter in sharded else 1), abs=2), line
+    assert lines["activations"] == data["activations"]["none"]  # each rank's own micro-batch
+
+
 def test_cli_remedies_json_and_table(capsys):
     assert main(SEED + ["--remedies", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
