@@ -122,7 +122,8 @@ _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 _NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
 # CUDA autocast policies, copied from the AT_FORALL_* lists of aten/src/ATen/autocast_mode.h (PyTorch 2.14), which
-# autocast_mode.cpp registers for AutocastCUDA. Names are "op" or "op.overload".
+# autocast_mode.cpp registers for AutocastCUDA. Names are "op" or "op.overload". torch 2.15.0 registers the same
+# kernels for AutocastCUDA (read from its binary's dispatcher registrations while testing it, 2026-12-06).
 _CUDA_LOWER = (
     "_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
     "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "prelu", "addmm", "addmv", "addr", "matmul",
