@@ -129,26 +129,29 @@ def test_an_error_of_the_plugins_own_code_is_raised_not_taken_for_a_model_that_c
 
 
 @pytest.mark.parametrize("where, raise_in, error, ours", [
-    ("lightning_ckpt/x.py", "here", ValueError, True),  # raised by our own line
-    ("lightning_ckpt/demos/gpt.py", "here", ValueError, False),  # the demos are models
+    ("plugin/x.py", "here", ValueError, True),  # raised by our own line
+    ("plugin/demos/gpt.py", "here", ValueError, False),  # the demos are models
     ("model.py", "here", TypeError, False),  # the user's model
-    ("lightning_ckpt/x.py", "torch", ValueError, False),  # torch refuses what it is given: the model's
-    ("lightning_ckpt/x.py", "torch", TypeError, True),  # a wrong call of ours into torch
+    ("plugin/x.py", "torch", ValueError, False),  # torch refuses what it is given: the model's
+    ("plugin/x.py", "torch", TypeError, True),  # a wrong call of ours into torch
 ])
-def test_whose_error_is_read_from_the_frame_that_raised_it(where, raise_in, error, ours):
-    import os
-
-    import lightning_ckpt
+def test_whose_error_is_read_from_the_frame_that_raised_it(tmp_path, monkeypatch, where, raise_in, error, ours):
+    """Real files in a temporary tree stand for the plugin, its demos and torch (no frame names a file that does not
+    exist: coverage reads every file a frame names)."""
     from lightning_ckpt.decide import pricing
 
-    root = os.path.dirname(os.path.dirname(lightning_ckpt.__file__))
-    path = os.path.join(root, where)
-    # a raise inside torch's own Python: a frame whose file is torch's
-    torch_file = os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py")
+    monkeypatch.setattr(pricing, "_PLUGIN_DIR", str(tmp_path / "plugin"))
+    monkeypatch.setattr(pricing, "_DEMOS_DIR", str(tmp_path / "plugin" / "demos"))
+    monkeypatch.setattr(pricing, "_TORCH_DIR", str(tmp_path / "torch"))
+    sources = {"torch/functional.py": "def inside_torch(error):\n    raise error('refused')\n",
+               where: "def step(error, inside_torch, here):\n    if here:\n        raise error('x')\n"
+                      "    inside_torch(error)\n"}
     namespace = {}
-    exec(compile("def inside_torch(error):\n    raise error('refused')\n", torch_file, "exec"), namespace)
-    exec(compile("def step(error, inside_torch, here):\n    if here:\n        raise error('x')\n"
-                 "    inside_torch(error)\n", path, "exec"), namespace)
+    for name, source in sources.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+        exec(compile(source, str(path), "exec"), namespace)
     with pytest.raises(error) as caught:
         namespace["step"](error, namespace["inside_torch"], raise_in == "here")
     assert pricing._raised_by_the_plugin(caught.value) is ours
