@@ -51,8 +51,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from lightning_ckpt.core.policy import COMPILER_MODE, compiler_fraction, compiler_modes
 from lightning_ckpt.core.units import format_bytes
 
-__all__ = ["SOLVER_MODES", "BlockCost", "BudgetPlan", "ModeCost", "mode_mix", "plan_budget", "predict_peak",
-           "run_eagerly", "smallest_budget"]
+__all__ = ["SOLVER_MODES", "BlockCost", "BudgetPlan", "ModeCost", "mode_mix", "plan_budget", "plan_seconds",
+           "predict_peak", "run_eagerly", "smallest_budget"]
 
 SOLVER_MODES = ("off", "selective", "recompute", "offload", COMPILER_MODE)
 
@@ -216,6 +216,11 @@ def _prefetched(options: Sequence[ModeCost], offloaded: Sequence[int], i: int) -
     if not before or not any(j >= i for j in offloaded):
         return 0
     return options[before[-1]].replay
+
+
+def plan_seconds(costs: Sequence[BlockCost], modes: Sequence[str]) -> float:
+    """Seconds per step a plan adds over every block ``off``: each block's cost in its mode."""
+    return sum(c.option(m).seconds for c, m in zip(costs, modes))
 
 
 def predict_peak(costs: Sequence[BlockCost], plan: Sequence[Union[bool, str]], base: Base = 0) -> int:

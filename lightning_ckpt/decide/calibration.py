@@ -23,6 +23,7 @@ from lightning_ckpt.decide.budget import (
     _prefix_and_transient,
     mode_mix,
     plan_budget,
+    plan_seconds,
     predict_peak,
     run_eagerly,
 )
@@ -334,7 +335,7 @@ class BudgetCalibration:
         return tuple(self.chosen.modes)
 
     def _plan_seconds(self, modes: Sequence[str]) -> float:
-        return sum(c.option(m).seconds for c, m in zip(self.costs(), modes))
+        return plan_seconds(self.costs(), modes)
 
     def _next_plan(self, apply: bool = True) -> None:
         """The routine's next plan becomes :attr:`chosen`: settled (a plan already checked), the calibration is
@@ -420,8 +421,7 @@ class BudgetCalibration:
         if chosen is not None:
             costs = self.costs()
             modes = tuple(chosen["modes"])
-            self.chosen = BudgetPlan(modes, chosen["predicted_peak"], sum(c.option(m).seconds for c, m in
-                                                                          zip(costs, modes)), chosen["fits"],
+            self.chosen = BudgetPlan(modes, chosen["predicted_peak"], plan_seconds(costs, modes), chosen["fits"],
                                      self.budget, chosen["smallest_budget"],
                                      tuple((c.option(m), c.option("off")) for c, m in zip(costs, modes)))
             self._reapply = not self.done  # the verifying step applies it again
@@ -639,7 +639,7 @@ class BudgetCalibration:
             return None
 
         def seconds(plan: Sequence[str]) -> float:
-            return sum(c.option(m).seconds for c, m in zip(costs, plan))
+            return plan_seconds(costs, plan)
 
         within = [(p, v) for p, v in known if v <= budget]
         plan, peak = min(within, key=lambda pv: (seconds(pv[0]), pv[1])) if within else min(known,

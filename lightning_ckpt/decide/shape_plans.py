@@ -41,6 +41,7 @@ from lightning_ckpt.decide.budget import (
     BudgetPlan,
     mode_mix,
     plan_budget,
+    plan_seconds,
     predict_peak,
     run_eagerly,
     smallest_budget,
@@ -357,7 +358,7 @@ class ShapePlanner:
             return round(traced * self.unit()) - self.compiled_savings(bucket, modes) + self._raise.get(bucket, 0)
 
         def seconds(modes: Tuple[str, ...]) -> float:
-            return sum(c.option(m).seconds for c, m in zip(costs, modes))
+            return plan_seconds(costs, modes)
 
         known = self.known(bucket)
         modes, peak = choose_checked(choose, check, self.target, seconds, checked=known)
