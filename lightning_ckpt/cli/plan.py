@@ -45,7 +45,8 @@ def add_parser(sub) -> None:
                    help="--model: LightningCLI-style YAML (model: {class_path, init_args} or model: {...}); its "
                         "class_path is the model when --model is not given")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="--model: token-id range of the synthetic batch (default: read from the model)")
+                   help="--model: token-id range of the synthetic batch (default: read from the model); numbers: "
+                        "count the logits and the loss after the blocks (default: the blocks alone)")
     p.add_argument("--param-dtype", default=None,
                    help="numbers: default bf16; --model: cast the floating parameters (default: as built)")
     p.add_argument("--grad-dtype", default=None, help="numbers only (default bf16)")
@@ -140,7 +141,7 @@ def run(args) -> int:
     _check_ranks(args)
     if args.model is not None:
         return _run_plan_model(args)
-    for name in ("init_args", "config", "vocab_size", "precision", "device", "sdpa_backend"):
+    for name in ("init_args", "config", "precision", "device", "sdpa_backend"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} only applies with --model; drop it or pass --model.")
     targeted = any(getattr(args, n) is not None for n in ("sm", "cudnn", "torch_version"))
@@ -160,7 +161,7 @@ def run(args) -> int:
         tensors_per_block=args.tensors_per_block, attention=args.attention,
         capacity=capacity, foreach=bool(args.foreach),
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-        attn_dropout=args.attn_dropout or 0.0,
+        attn_dropout=args.attn_dropout or 0.0, vocab=args.vocab_size,
     )
     attention = None
     if targeted and args.attention != "eager":

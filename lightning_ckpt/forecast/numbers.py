@@ -10,12 +10,20 @@ with the math kernel on the target GPU (``attention_backend="math"``, e.g. bf16 
 kernel: the float32 B·H·L·S probabilities (with dropout also its mask and the dropped copy) and float32 q, k, v,
 instead of the fused kernel's q, k, v and logsumexp (:func:`math_attention_extra`). Per policy:
 
-======================  ============================================================
-``none``                L·A
-``all``                 L·B + A   (boundaries, plus one block's interior while it replays)
-``every:N``             c·B + (max(L, i + 2) − c)·A with c = ⌈L/N⌉ blocks checkpointed, the last at i = N·(c−1)
-``group:K``/``sqrt``    ⌈L/K⌉·B + K·A
-======================  ============================================================
+======================  =====================================================================================
+``none``                L·A + H
+``all``                 max(L·B + H, L·B + A − B)   (boundaries, plus one block's interior while it replays: its
+                        input is already a boundary)
+``every:N``             max(c·B + (L − c)·A + H, (c − 1)·B + (i − c + 2)·A) with c = ⌈L/N⌉ blocks checkpointed,
+                        the last at i = N·(c−1), replayed with every block before it
+``group:K``/``sqrt``    max(n·B + H, max over regions r of r·B + K_r·A) with n = ⌈L/K⌉ regions, K_r blocks in
+                        region r
+======================  =====================================================================================
+
+H is the head at the end of the forward, counted when the vocabulary ``V`` is given (``vocab``): the final norm's
+input and output (two hidden-width tensors) and two ``micro_batch × seq_len × V`` tensors in the activation dtype
+(the logits and the loss's log-softmax). A model whose loss upcasts the logits to float32 keeps more (``plan
+--model`` traces it). Without ``vocab`` the blocks alone are counted, as in the seed's worked example.
 
 Phases, in Lightning's order: the forward holds the model state with the previous step's gradients (Lightning
 frees them between ``training_step`` and ``backward``) plus the activations; backward starts without gradients and
@@ -24,8 +32,8 @@ builds them while it frees activations, so its peak is the larger of all activat
 optimizer step holds the model state and its temporaries.
 
 ``every:N`` checkpoints blocks 0, N, 2N, ... Backward runs from the last block, so when a checkpointed block
-replays its interior, the blocks after it are already freed: the peak is the end of the forward, or the replay of
-the last checkpointed block with everything before it (more only when that block is the last one).
+replays its interior, the blocks after it (and the head) are already freed: the peak is the end of the forward, or
+the replay of the last checkpointed block with everything before it.
 
 The seed's worked example (1.3 B parameters, bf16 parameters and gradients, Adam with fp32 moments and an fp32
 master copy, 24 blocks of width 2048, micro-batch 2 × 2048 tokens, bf16 activations) gives 2.42 GiB of
@@ -57,6 +65,7 @@ __all__ = [
     "check_positions",
     "crossing_line",
     "forecast_from_numbers",
+    "head_activations",
     "math_attention_extra",
     "optimizer_temporaries",
     "phase_crossing",
@@ -101,12 +110,17 @@ class ForecastInputs:
     foreach: bool = False
     attention_backend: Optional[str] = None
     attn_dropout: float = 0.0
+    vocab: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("params", "layers", "hidden", "micro_batch", "seq_len", "heads", "tensors_per_block"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
                 raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive number.")
+        if self.vocab is not None and (isinstance(self.vocab, bool) or not isinstance(self.vocab, int)
+                                       or self.vocab <= 0):
+            raise ValueError(f"--vocab-size={self.vocab!r} must be a positive whole number (the vocabulary), or "
+                             "left out to count the blocks alone.")
         if self.optimizer.lower() not in OPTIMIZER_MOMENTS:
             raise ValueError(f"--optimizer={self.optimizer!r} is not known; choose one of {sorted(OPTIMIZER_MOMENTS)}.")
         if self.attention not in ("fused", "eager"):
@@ -185,7 +199,8 @@ def forecast_from_numbers(inputs: ForecastInputs) -> LedgerForecast:
         interior += 5 * inputs.heads * inputs.seq_len**2 * inputs.micro_batch
     elif inputs.attention_backend == "math":
         interior += math_attention_extra(inputs)
-    activations = {p: policy_activations(p, inputs.layers, hidden_tensor, interior) for p in inputs.policies}
+    head = head_activations(inputs, hidden_tensor)
+    activations = {p: policy_activations(p, inputs.layers, hidden_tensor, interior, head) for p in inputs.policies}
     temporaries = optimizer_temporaries(n, inputs.optimizer, inputs.moment_dtype, inputs.foreach)
     # Lightning's order: the previous step's gradients live through the forward; zero_grad frees them before
     # backward, which then builds them while it frees activations (peak at its start or its end)
@@ -308,22 +323,37 @@ def recomputed_fraction(policy: str, layers: int) -> float:
     return 1.0
 
 
-def policy_activations(policy: str, layers: int, boundary: int, interior: int) -> int:
+def head_activations(inputs: ForecastInputs, hidden_tensor: int) -> int:
+    """H of the module docstring: what the forward holds after the blocks when the vocabulary is given (the final
+    norm's input and output, the logits and the loss's log-softmax), else 0."""
+    if inputs.vocab is None:
+        return 0
+    logits = inputs.micro_batch * inputs.seq_len * inputs.vocab * _dtype_bytes(inputs.act_dtype, "--act-dtype")
+    return 2 * hidden_tensor + 2 * logits
+
+
+def policy_activations(policy: str, layers: int, boundary: int, interior: int, head: int = 0) -> int:
     """Activation bytes at the step's peak under ``policy`` for ``layers`` blocks, each keeping ``boundary`` bytes
-    when checkpointed and ``interior`` bytes when not (the table in the module docstring)."""
+    when checkpointed and ``interior`` bytes when not, with ``head`` bytes after the blocks at the end of the forward
+    (the table in the module docstring): the larger of the forward's end and the largest replay."""
     parsed = parse_policy(policy)
     if parsed.name == "none":
-        return layers * interior
+        return layers * interior + head
     if parsed.name == "all":
-        return layers * boundary + interior
+        return max(layers * boundary + head, layers * boundary + interior - boundary)
     if isinstance(parsed, EveryPolicy):
         # blocks 0, N, 2N, ... are checkpointed; when the last of them (i) replays, the blocks after it are freed
         checkpointed = math.ceil(layers / parsed.n)
         last = parsed.n * (checkpointed - 1)
-        return checkpointed * boundary + (max(layers, last + 2) - checkpointed) * interior
+        forward_end = checkpointed * boundary + (layers - checkpointed) * interior + head
+        replay = (checkpointed - 1) * boundary + (last - checkpointed + 1) * interior + interior
+        return max(forward_end, replay)
     assert isinstance(parsed, GroupPolicy)
     k = parsed.size(layers)
-    return math.ceil(layers / k) * boundary + k * interior
+    sizes = [min(k, layers - start) for start in range(0, layers, k)]
+    # region r replays with the r regions before it kept as boundaries: its own input plus its interior minus it
+    replay = max(r * boundary + size * interior for r, size in enumerate(sizes))
+    return max(len(sizes) * boundary + head, replay)
 
 
 def crossing_line(params, grads, optimizer, master, activations, capacity, copies: int = 0) -> Optional[str]:

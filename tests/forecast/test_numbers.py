@@ -29,7 +29,8 @@ def test_reproduces_every_number_of_the_seed_example():
     assert plan.hidden_tensor == 16_777_216 == 16 * MiB
     assert plan.boundary_all == 384 * MiB
     assert plan.activations["none"] == 2304 * MiB  # 24 × 6 × 16 MiB = 2.25 GiB
-    assert plan.activations["all"] == 384 * MiB + 6 * 16 * MiB
+    # boundaries, plus one block's interior while it replays: its input is one of the boundaries already
+    assert plan.activations["all"] == 384 * MiB + 5 * 16 * MiB
 
 
 def test_which_line_crosses_capacity():
@@ -45,7 +46,7 @@ def test_cli_table_and_json(capsys):
     out = capsys.readouterr().out
     for text in ("line                         GiB", "2.42", "9.69", "4.84", "19.37", "16.0 MiB", "384.0 MiB",
                  "verdict (GiB; the highest phase decides)", "activations line crosses 24.00 GiB",
-                 "fits, 1.25 GiB to spare", "fits, 3.99 GiB to spare"):
+                 "fits, 1.25 GiB to spare", "fits, 4.00 GiB to spare"):
         assert text in out
     assert main(SEED + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -114,9 +115,10 @@ def test_every_n_replays_a_checkpointed_block_after_the_blocks_behind_it_are_fre
     assert plan.activations["every:2"] == 12 * boundary + 12 * interior  # block 22 replays once block 23 is freed
     assert round(plan.activations["every:2"] / GiB, 2) == 3.38
     assert plan.activations["every:24"] == boundary + 23 * interior < plan.activations["none"]
-    # every:23 checkpoints the last block too: its replay comes with every block before it still kept
-    assert plan.activations["every:23"] == 2 * boundary + 22 * interior + interior
-    assert plan.activations["all"] == 24 * boundary + interior
+    # every:23 checkpoints the last block too: its replay comes with every block before it still kept (the first
+    # a boundary), its own input a boundary that the replayed interior does not count twice
+    assert plan.activations["every:23"] == boundary + 22 * interior + interior
+    assert plan.activations["all"] == 23 * boundary + interior
     assert plan.activations["none"] == 24 * interior
 
 
@@ -174,3 +176,20 @@ def test_plan_takes_the_model_from_a_config_that_names_its_class_path(tmp_path, 
     assert data["blocks"] == 2 and data["activations"]["none"] > 0
     assert main(["plan", "--config", str(cfg), "--params", "1e9"]) == 2
     assert "only applies with --model" in capsys.readouterr().err
+
+
+def test_the_vocabulary_adds_the_head_to_every_policys_forward_end(capsys):
+    """``--vocab-size`` counts what the forward holds after the blocks: the final norm's input and output and two
+    logits-sized tensors (the logits and the loss's log-softmax); a bad value is refused with the fix."""
+    blocks = _seed_plan(policies=("none", "all"))
+    headed = _seed_plan(policies=("none", "all"), vocab=32000)
+    logits = 2 * 2048 * 32000 * 2
+    head = 2 * blocks.hidden_tensor + 2 * logits
+    assert headed.activations["none"] == blocks.activations["none"] + head
+    # with every block checkpointed, the forward's end (boundaries and the head) outweighs one block's replay
+    assert headed.activations["all"] == 24 * blocks.hidden_tensor + head > blocks.activations["all"]
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="--vocab-size=.*positive whole number"):
+            ForecastInputs(params=1e9, vocab=bad)
+    assert main([*SEED, "--vocab-size", "32000", "--policies", "none", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["activations"]["none"] == headed.activations["none"]
