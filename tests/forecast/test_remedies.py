@@ -288,6 +288,7 @@ def run(rank, world, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from lightning_ckpt.demos.factories import tiny_gpt
     from lightning_ckpt.measure.ledger import model_state_bytes
+    from lightning_ckpt.measure.meter import StepMeter
     torch.manual_seed(0)
     model = tiny_gpt()
     if os.environ["STRATEGY"] == "ddp":
@@ -300,11 +301,14 @@ def run(rank, world, out):
         wrapped = fully_shard(model)
     opt = torch.optim.AdamW(model.parameters())
     idx = torch.randint(0, 96, (2, 32))
-    wrapped(idx, idx)[1].backward()
+    meter = StepMeter("cpu", model=model)
+    with meter.step(exact=True) as box:
+        wrapped(idx, idx)[1].backward()
     opt.step()
     state = model_state_bytes(model, opt)
     with open(f"{out}.{rank}", "w") as f:
-        json.dump(dict(params=state.params, grads=state.grads, optimizer=state.optimizer), f)
+        json.dump(dict(params=state.params, grads=state.grads, optimizer=state.optimizer,
+                       activations=box.reading.activations), f)
     dist.destroy_process_group()
 
 
@@ -318,7 +322,8 @@ if __name__ == "__main__":
 def test_each_rank_holds_what_the_plan_says_under_fsdp2_and_ddp_on_gloo(tmp_path, strategy, world):
     """``fully_shard`` on every block and the root (or ``DistributedDataParallel``), AdamW, one step on ``world``
     gloo processes: each rank's parameters, gradients and optimizer state (the ledger's walk: DTensors as their
-    local shards) within 2 % of the plan's for that strategy."""
+    local shards) and its activations (the meter's, unsharded parameters in flight not among them) within 2 % of
+    the plan's for that strategy."""
     import os
     import socket
     import subprocess
@@ -347,6 +352,7 @@ def test_each_rank_holds_what_the_plan_says_under_fsdp2_and_ddp_on_gloo(tmp_path
         assert got["params"] == pytest.approx(plan["parameters"], rel=0.02)
         assert got["grads"] == pytest.approx(plan["gradients"], rel=0.02)
         assert got["optimizer"] == pytest.approx(plan["optimizer state"] + plan["master copy"], rel=0.02)
+        assert got["activations"] == pytest.approx(plan["activations"], rel=0.02)
 
 
 def test_a_traced_models_width_is_read_in_the_dtype_its_activations_run_in():
