@@ -85,3 +85,30 @@ def test_a_module_returning_two_optimizers_logs_their_sum(tmp_path):
     muon = sum(4 * p.numel() for p in matrices)  # one fp32 momentum buffer per matrix
     adamw = sum(2 * 4 * p.numel() + 4 for p in vectors)  # two moments and a step per vector
     assert round(cb.last_metrics["memory/optimizer_gib"] * GiB) == muon + adamw
+
+
+def test_a_fit_with_a_paged_optimizer_says_in_its_report_that_the_allocator_cannot_see_its_state(tmp_path):
+    """bitsandbytes' paged optimizers keep their state in CUDA managed memory, which the allocator's lines do not
+    show: the end-of-fit report (its text and its JSON's advice) says so, naming the optimizer."""
+    import json
+
+    bnb = pytest.importorskip("bitsandbytes")
+    from lightning.pytorch.loggers import CSVLogger
+
+    class PagedGPT(GPTLightningModule):
+        def configure_optimizers(self):
+            return bnb.optim.PagedAdamW8bit(self.parameters(), lr=1e-3)  # on a CPU: ordinary tensors, still paged
+
+    seed_everything(0)
+    model = PagedGPT(n_layer=2, n_embd=64, n_head=4, block_size=32, dropout=0.0)
+    tok = torch.randint(0, 96, (2, 33), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": tok[:, :-1].contiguous(), "labels": tok[:, 1:].contiguous()}
+    cb = ActivationCheckpointing(policy="none")
+    kwargs = trainer_kwargs(tmp_path, max_steps=2, log_every_n_steps=1, limit_val_batches=0, num_sanity_val_steps=0)
+    kwargs["logger"] = CSVLogger(tmp_path, name="csv")
+    trainer = Trainer(callbacks=[cb], **kwargs)
+    trainer.fit(model, train_dataloaders=DataLoader([batch] * 4, batch_size=None))
+
+    assert "PagedAdamW8bit is a paged optimizer" in cb.report(trainer)
+    written = json.loads((tmp_path / "csv" / "version_0" / "lightning_ckpt_report.json").read_text())
+    assert any("PagedAdamW8bit" in line and "managed memory" in line for line in written["advice"])
