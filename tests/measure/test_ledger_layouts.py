@@ -291,3 +291,22 @@ def test_offloaded_optimizer_state_is_a_host_line_not_on_the_device():
     assert ledger.as_metrics()["memory/host_gib"] * 2 ** 30 == after.host
     assert "host" in str(ledger)
     assert model_state_bytes(model, opt, device="meta").optimizer < after.host / 10
+
+
+@pytest.mark.gpu
+def test_the_real_cpu_offload_optimizer_keeps_its_big_weights_state_on_the_host_line():
+    """The real thing the test above lays out by hand: torchao's constructor (CUDA streams, pinned host copies),
+    one step on the GPU. The big weights' moments, host copies and host gradients are the host line; the device
+    keeps the small weights' moments only."""
+    cpu_offload = pytest.importorskip("torchao.optim.cpu_offload")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8)).cuda()
+    opt = cpu_offload.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, minimal_size=1000)
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    torch.cuda.synchronize()
+    state = model_state_bytes(model, opt, device="cuda")
+    big = [p for p in model.parameters() if p.numel() >= 1000]
+    small = [p for p in model.parameters() if p.numel() < 1000]
+    assert state.optimizer == _adam_plain(small, step_bytes=0)
+    assert state.host == sum(2 * _nbytes([p]) for p in big) + _adam_plain(big) + 4 * len(small)
