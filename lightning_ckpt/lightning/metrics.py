@@ -1,7 +1,8 @@
 """Where the measured figures go: reduced across ranks, logged through Lightning, drawn by TensorBoard.
 
 Reduction: every rank measures its own step; the logged memory lines are the **maximum** over ranks (the rank
-closest to running out is the one that matters) and the throughput lines the **sum** (the job's tokens/s). Both
+closest to running out is the one that matters) and the throughput lines the **sum** (the job's tokens/s), as
+:data:`~lightning_ckpt.measure.metric_keys.METRIC_KEYS` says per key. Both
 come from one ``all_gather`` of a small float64 vector on measured steps only (the metric names are the same on
 every rank, so the vector lines up). On runs that agree between steps (a budget per shape, the auto-toggle, which
 reads the reduced activation line every step it decides) it is gathered on the host, over the engine's gloo group
@@ -22,36 +23,15 @@ this step, a device read each).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import warnings
+from typing import Any, Dict, Optional
 
 import torch
 
+from lightning_ckpt.measure.metric_keys import UnregisteredMetricKey, combines_by_sum, tensorboard_layout, unregistered
+
 __all__ = ["TENSORBOARD_LAYOUT", "block_metrics", "log_metrics", "log_step", "reduce_across_ranks",
            "tensorboard_layout"]
-
-
-def tensorboard_layout(prefix: str) -> Dict[str, Dict[str, List[Any]]]:
-    """The custom-scalars layout: the ledger lines in one "Memory" chart (the master copies, part of the optimizer
-    line, drawn beside it) beside "Throughput", "Phases" (the peak of the forward, the backward and the optimizer
-    step) and "Checkpointing" (with a budget plan's bytes kept and replayed per block). Every key a step logs is
-    charted somewhere."""
-    root = f"{prefix}/" if prefix else ""
-    memory = [f"{root}memory/{k}_gib" for k in
-              ("peak_allocated", "peak_reserved", "activations", "autocast_copies", "params", "grads", "optimizer",
-               "optimizer_master", "other", "cache")]
-    return {
-        "Memory": {"ledger (GiB)": ["Multiline", memory]},
-        "Throughput": {"tokens/s": ["Multiline", [f"{root}throughput/tokens_per_sec"]],
-                       "samples/s": ["Multiline", [f"{root}throughput/samples_per_sec"]],
-                       "step time (s)": ["Multiline", [f"{root}time/step_s"]]},
-        "Phases": {"peak per phase (GiB)": ["Multiline", [f"{root}memory/peak_{phase}_gib"
-                                                          for phase in ("forward", "backward", "optimizer")]]},
-        "Checkpointing": {"blocks and level": ["Multiline", [f"{root}checkpointing/blocks",
-                                                             f"{root}checkpointing/level"]],
-                          # tags are regular expressions: one line per block of a budget plan
-                          "kept per block (GiB)": ["Multiline", [rf"{root}blocks/\d+_kept_gib"]],
-                          "replay peak per block (GiB)": ["Multiline", [rf"{root}blocks/\d+_replay_gib"]]},
-    }
 
 
 def block_metrics(plan: Any, prefix: str) -> Dict[str, float]:
@@ -66,11 +46,10 @@ def block_metrics(plan: Any, prefix: str) -> Dict[str, float]:
 
 
 TENSORBOARD_LAYOUT = tensorboard_layout("")
-"""The custom-scalars layout written to TensorBoard (no prefix)."""
-
-
-def is_throughput(key: str) -> bool:
-    return "/throughput/" in f"/{key}"
+"""The custom-scalars layout written to TensorBoard (no prefix): the ledger lines in one "Memory" chart (the master
+copies, part of the optimizer line, drawn beside it) beside "Throughput", "Phases" (the peak of the forward, the
+backward and the optimizer step) and "Checkpointing" (with a budget plan's bytes kept and replayed per block); from
+:data:`~lightning_ckpt.measure.metric_keys.METRIC_KEYS`."""
 
 
 def reduce_across_ranks(strategy: Any, metrics: Dict[str, float], group: Any = None) -> Dict[str, float]:
@@ -96,7 +75,7 @@ def reduce_across_ranks(strategy: Any, metrics: Dict[str, float], group: Any = N
         host = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, pin_memory=device.type == "cuda")
         local = host.to(device, non_blocking=True)  # the CPU (gloo): the same tensor
         rows = strategy.all_gather(local).to("cpu").reshape(-1, len(keys)).tolist()
-    return {k: (sum(row[i] for row in rows) if is_throughput(k) else max(row[i] for row in rows))
+    return {k: (sum(row[i] for row in rows) if combines_by_sum(k) else max(row[i] for row in rows))
             for i, k in enumerate(keys)}
 
 
@@ -118,6 +97,9 @@ def log_metrics(trainer: Any, metrics: Dict[str, float], prefix: str, step: Opti
     logger's step (default :func:`log_step`, this step's; an earlier one for a reference step's time)."""
     root = f"{prefix}/" if prefix else ""
     values = {k: float(v) for k, v in metrics.items()}
+    for key in unregistered(values):
+        warnings.warn(f"lightning_ckpt logged {key!r}, a metric key its registry lacks: please report this bug "
+                      "(the figure is logged all the same).", UnregisteredMetricKey, stacklevel=2)
     if trainer.is_global_zero and trainer.loggers:
         step = log_step(trainer) if step is None else step
         for logger in trainer.loggers:
