@@ -6,7 +6,7 @@ The layers, each a subpackage (data flows down this list; only the last imports 
 - :mod:`lightning_ckpt.measure` — the live-tensor tracker, the per-step meter, the ledger;
 - :mod:`lightning_ckpt.decide` — auto-toggle, budget, replay safety, equivalence, diagnosis and report;
 - :mod:`lightning_ckpt.forecast` — memory forecasts from numbers or fake tensors, the profiler;
-- :mod:`lightning_ckpt.lightning` — the engine and its two doors, the callback and the strategies.
+- :mod:`lightning_ckpt.lightning` — the engine and its two ways in, the callback and the strategies.
 
 ``import lightning_ckpt`` is cheap: the names below load on first use, and the ``*_ac`` strategies
 (``single_device_ac``, ``ddp_ac``, ``ddp_spawn_ac``, ``ddp_fork_ac``, ``fsdp_ac``) are registered in Lightning's

@@ -1,13 +1,13 @@
-"""The anatomy of a step's peak: what the blocks keep in the seed's units, and findings named from the tensors.
+"""The anatomy of a step's peak: what the blocks keep in hidden-width units, and findings named from the tensors.
 
 From an attribution (:mod:`lightning_ckpt.measure.attribution`: every storage alive at a moment, with its module,
 op, shape, dtype and role) this module says what a person staring at "CUDA out of memory" wants to read next.
 
-**The seed's units.** A *hidden-width tensor* is one ``micro-batch × sequence × hidden width`` tensor in the run's
-activation dtype (the autocast dtype under mixed precision): the seed's worked example counts "six hidden-width
+**Hidden-width units.** A *hidden-width tensor* is one ``micro-batch × sequence × hidden width`` tensor in the run's
+activation dtype (the autocast dtype under mixed precision): the textbook worked example counts "six hidden-width
 tensors per block". Each block's kept bytes at the end of the forward — what it holds for backward — are given in
 those units, part by part (``1.0 kept by fc1, 4.0 kept by act, 4.0 kept by fc2``), with the boundaries the plan
-keeps and the seed's arithmetic for this run (``4 blocks × 9.0 × 8.0 KiB = 288.0 KiB``).
+keeps and this run's blocks × tensors × bytes arithmetic (``4 blocks × 9.0 × 8.0 KiB = 288.0 KiB``).
 
 **Findings**, each a stable code with the tensors, their bytes and one line of advice, derived from shapes, dtypes
 and roles, not from op names:
@@ -130,8 +130,8 @@ def block_units(forward_end: PeakAttribution, unit: int, blocks: Sequence[str] =
 def anatomy(attribution: Dict[str, PeakAttribution], samples: int, length: Optional[int], hidden: Optional[int],
             element_size: int, vocab: Optional[int] = None, mixed: bool = False,
             blocks: Sequence[str] = (), checkpointed: Sequence[bool] = ()) -> Dict[str, Any]:
-    """The report's ``peak`` section: the tensors at the peak, per block in hidden-width tensors with the seed's
-    arithmetic, and the findings (see the module docstring)."""
+    """The report's ``peak`` section: the tensors at the peak, per block in hidden-width tensors with the
+    blocks × tensors × bytes arithmetic, and the findings (see the module docstring)."""
     peak = attribution.get("activation peak")
     end = attribution.get("forward end")
     out: Dict[str, Any] = {"samples": samples, "length": length, "hidden": hidden, "element_size": element_size,
@@ -152,13 +152,13 @@ def anatomy(attribution: Dict[str, PeakAttribution], samples: int, length: Optio
                               "parts": [{"hidden_tensors": round(x, 2), "what": what} for x, what in parts]})
         out["per_block"] = per_block
         out["outside_blocks"] = end.outside
-        out["seed_arithmetic"] = _arithmetic(per_block, unit, checkpointed)
+        out["arithmetic"] = _arithmetic(per_block, unit, checkpointed)
     out["findings"] = [f.as_dict() for f in findings(attribution, samples, length, hidden, vocab, mixed)]
     return out
 
 
 def _arithmetic(per_block: List[Dict[str, Any]], unit: int, checkpointed: Sequence[bool]) -> List[str]:
-    """The seed's ``24 × 6 × 16 MiB = 2304 MiB`` lines with this run's numbers."""
+    """The worked example's ``24 × 6 × 16 MiB = 2304 MiB`` lines with this run's numbers."""
     if not per_block:
         return []
     counts = [b["hidden_tensors"] for b in per_block]
@@ -288,7 +288,7 @@ def tensor_rows(tensors: Sequence[Dict[str, Any]], indent: str = "") -> List[str
 
 def anatomy_text(data: Dict[str, Any], top: int = 8) -> str:
     """The ``peak`` section of the report as text: the largest tensors at the activation peak, each block in
-    hidden-width tensors (identical blocks on one line), the seed's arithmetic and the findings."""
+    hidden-width tensors (identical blocks on one line), the blocks × tensors × bytes arithmetic and the findings."""
     rows: List[str] = []
     peak = data.get("activation_peak")
     if peak:
@@ -315,7 +315,7 @@ def anatomy_text(data: Dict[str, Any], top: int = 8) -> str:
             each = " each" if len(group) > 1 else ""
             rows.append(f"    {name}: {first['hidden_tensors']:.1f}{each} = {parts}")
         rows.append(f"    outside the blocks: {format_bytes(data.get('outside_blocks', 0))}")
-        for line in data.get("seed_arithmetic", []):
+        for line in data.get("arithmetic", []):
             rows.append(f"  the arithmetic for this run: {line}")
     for f in data.get("findings", []):
         rows.append(f"  [{f['code']}] {f['text']}. {f['advice']}")

@@ -465,7 +465,7 @@ class BudgetCalibration:
 
     def out_of_memory(self) -> None:
         """The step in flight ran out of memory; the caller retries it under a stronger plan of its own choosing
-        (the escalation's next rung). Records the plan as not fitting, takes back what the stage had measured, and
+        (the escalation's next policy). Records the plan as not fitting, takes back what the stage had measured, and
         replaces the stage (or, on the verifying step, the chosen plan: chosen again, verified on the next step);
         the retried step is ignored by :meth:`end_step`, and the calibration's hooks measure nothing until the next
         :meth:`begin_step`. A second error in the same step (the retry's) changes nothing more."""

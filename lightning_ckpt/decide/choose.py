@@ -6,7 +6,8 @@ Three parts of the plugin pick a plan from predictions and must not run one abov
   step, measured;
 - the budget's per-shape plans (:mod:`lightning_ckpt.decide.shape_plans`): each choice is checked by a trace on fake
   tensors at the bucket's shape before it runs;
-- the auto-toggle's gate (:mod:`lightning_ckpt.lightning.gate`): each rung is checked by a trace at the batch's shape.
+- the auto-toggle's gate (:mod:`lightning_ckpt.lightning.gate`): each policy of the ladder is checked by a trace at
+  the batch's shape.
 
 Each is a :class:`CheckedChoice`:
 

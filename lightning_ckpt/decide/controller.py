@@ -1,24 +1,24 @@
-"""The auto-toggle: a pure state machine from activation readings to a rung of the escalation ladder.
+"""The auto-toggle: a pure state machine from activation readings to a policy of the escalation ladder.
 
 Readings in, decisions out: no torch, no Lightning. The caller feeds one reading per optimizer step (already
 reduced across ranks, so every rank decides the same) and applies the decision between optimizer steps.
 
 Rules:
 
-- **Up** one rung as soon as a reading crosses ``threshold`` (memory pressure cannot wait).
-- **Down** one rung only after ``cooldown`` consecutive steps whose *predicted* reading one rung lower stays
+- **Up** one policy as soon as a reading crosses ``threshold`` (memory pressure cannot wait).
+- **Down** one policy only after ``cooldown`` consecutive steps whose *predicted* reading one policy lower stays
   under the release level ``release × threshold``. The prediction scales the current reading by the ratio
-  observed the last time the controller moved between those two rungs; never having seen the lower rung, it
-  uses the current reading itself (conservative: a lower rung never uses less memory).
+  observed the last time the controller moved between those two policies; never having seen the lower one, it
+  uses the current reading itself (conservative: a lower policy never uses less memory).
 - Every switch starts a dwell of ``cooldown`` steps before the next *down* move, so an oscillating reading
   causes at most one down-switch per ``cooldown`` steps, and an up-switch cannot be followed by a down-switch
   sooner than that either.
-- A rung that ran out of memory (:meth:`Controller.out_of_memory`, told by the escalation that moved the plan up)
-  is marked with the first reading after the retry, on the rung the retry ran. The controller does not move down
+- A policy that ran out of memory (:meth:`Controller.out_of_memory`, told by the escalation that moved the plan up)
+  is marked with the first reading after the retry, on the policy the retry ran. The controller does not move down
   into it again until a reading predicts it at most ``release`` × what it was when it failed: the threshold says
   nothing about the device's capacity, so without the mark a calm run walked back into the same error every
   ``cooldown`` steps.
-- Ratios are learnt only between neighbouring rungs, from a reading before and after the controller's own move; an
+- Ratios are learnt only between neighbouring policies, from a reading before and after the controller's own move; an
   escalation drops the pending reading (its step was not the pair's).
 """
 
@@ -70,11 +70,11 @@ class Controller:
     """Threshold + hysteresis + cooldown over an escalation ladder of policy strings.
 
     Args:
-        threshold: bytes; a reading above it moves one rung up.
+        threshold: bytes; a reading above it moves one policy up.
         ladder: policy strings from cheapest (no recompute) to most memory-saving.
-        release: fraction of ``threshold`` under which the predicted lower-rung reading must stay to move down.
+        release: fraction of ``threshold`` under which the predicted lower policy's reading must stay to move down.
         cooldown: consecutive qualifying steps needed to move down, and the dwell after any switch.
-        level: the starting rung.
+        level: the starting policy's position in the ladder.
     """
 
     threshold: int
@@ -85,9 +85,9 @@ class Controller:
     calm_steps: int = 0
     since_switch: int = 0
     switches: int = 0
-    # reading observed at rung i just before/after a move between rungs i and i+1: (lower, upper)
+    # reading observed at ladder position i just before/after a move between positions i and i+1: (lower, upper)
     pair_ratio: Dict[int, float] = field(default_factory=dict)
-    # rung that ran out of memory -> (rung the retry ran, its first reading there); None until that reading comes
+    # policy that ran out of memory -> (policy the retry ran, its first reading there); None until that reading comes
     oom_marks: Dict[int, Optional[Tuple[int, float]]] = field(default_factory=dict)
     _last: Optional[Tuple[int, float]] = None
 
@@ -114,7 +114,7 @@ class Controller:
         return int(self.release * self.threshold)
 
     def observe(self, reading: float) -> Decision:
-        """Feed one optimizer step's activation peak (bytes, max over ranks); get the rung to use next."""
+        """Feed one optimizer step's activation peak (bytes, max over ranks); get the policy's position to use next."""
         if not isinstance(reading, (int, float)) or isinstance(reading, bool) or math.isnan(reading) or reading < 0:
             raise ValueError(f"reading={reading!r} must be a non-negative number of bytes.")
         self._learn_ratio(reading)
@@ -142,14 +142,14 @@ class Controller:
         return self._stay("within limits")
 
     def predict_lower(self, reading: float) -> Optional[float]:
-        """Expected reading one rung lower (``None`` at the bottom rung)."""
+        """Expected reading one policy lower (``None`` at the ladder's first policy)."""
         if self.level == 0:
             return None
         return reading * self.pair_ratio.get(self.level - 1, 1.0)
 
     def out_of_memory(self, failed: int) -> None:
-        """Rung ``failed`` ran out of memory and the plan was moved up (the caller set :attr:`level`): mark it with
-        the next reading, and forget the pending reading of the last move (the step it would pair with is not)."""
+        """The policy at ``failed`` ran out of memory and the plan was moved up (the caller set :attr:`level`): mark it
+        with the next reading, and forget the pending reading of the last move (the step it would pair with is not)."""
         if not 0 <= failed < len(self.ladder):
             raise ValueError(f"Pass a level from 0 to {len(self.ladder) - 1}: failed={failed!r} is not a position in "
                              f"the ladder {list(self.ladder)}.")
@@ -162,11 +162,11 @@ class Controller:
                 self.oom_marks[failed] = (self.level, float(reading))
 
     def _at(self, reading: float, level: int, lower: int) -> float:
-        """A reading at ``level`` as predicted at the lower rung ``lower`` (the learnt ratios; 1 where unknown)."""
+        """A reading at ``level`` as predicted at the lower policy ``lower`` (the learnt ratios; 1 where unknown)."""
         return reading * math.prod(self.pair_ratio.get(i, 1.0) for i in range(lower, level))
 
     def _failed_below(self, reading: float) -> Optional[str]:
-        """Why the rung below may not be taken: it ran out of memory and this reading does not show the room, with
+        """Why the policy below may not be taken: it ran out of memory and this reading does not show the room, with
         the ``release`` margin, that the failed step lacked; ``None`` when it may."""
         below = self.level - 1
         mark = self.oom_marks.get(below)
@@ -190,7 +190,7 @@ class Controller:
             return
         low, high = sorted((old_level, self.level))
         lower, upper = (old_reading, reading) if old_level < self.level else (reading, old_reading)
-        self.pair_ratio[low] = max(1.0, lower / upper)  # a lower rung never needs less memory
+        self.pair_ratio[low] = max(1.0, lower / upper)  # a lower policy never needs less memory
 
     def _move(self, step: int, reading: float, reason: str) -> Decision:
         self._last = (self.level, reading)
@@ -230,7 +230,7 @@ class Controller:
         self.since_switch = int(state.get("since_switch", 0))
         self.switches = int(state.get("switches", 0))
         self.pair_ratio = {int(k): float(v) for k, v in dict(state.get("pair_ratio", {})).items()}
-        if notes:  # rung indices of another ladder: its pending reading and marks say nothing of this one's
+        if notes:  # positions in another ladder: its pending reading and marks say nothing of this one's
             return notes
         pending = state.get("pending")
         self._last = None if pending is None else (int(pending[0]), float(pending[1]))

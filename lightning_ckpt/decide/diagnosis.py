@@ -1,6 +1,6 @@
 """Out-of-memory diagnosis by phase: where a step died says which ledger line to suspect.
 
-From the seed's "What to do on Monday morning":
+The checklist "What to do on Monday morning", automated:
 
 - before a meaningful forward: parameters, inputs, initialization, or preallocated sharding state;
 - forward / start of backward, peak scaling with depth or tokens: retained activations;

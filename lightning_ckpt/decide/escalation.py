@@ -1,4 +1,4 @@
-"""Where an out-of-memory step goes next: the first rung of the ladder that checkpoints at least as much as the
+"""Where an out-of-memory step goes next: the first policy of the ladder that checkpoints at least as much as the
 current plan on every block, and more on one. Never down; ``None`` when nothing on the ladder is stronger.
 
 A block's strength, from keeping the most to the least activation memory on the device:
@@ -14,13 +14,13 @@ group region   2     only the region's input saved, but K blocks replayed at onc
 =============  ====  =============================================================================================
 
 So ``selective``, ``group:K``, ``offload`` and per-block ``modes`` plans (a budget's choice, or blocks that
-``stateful="skip"`` keeps off) escalate to the first ladder rung that dominates them, and the default ladder
+``stateful="skip"`` keeps off) escalate to the first ladder policy that dominates them, and the default ladder
 ``none → every:2 → all`` is walked upward in order. Pure Python on :class:`~lightning_ckpt.core.policy.Layout`.
 
-A rung that offloads is refused (:func:`offload_refusal`, skipped by :func:`stronger_rungs` given a
+A policy that offloads is refused (:func:`offload_refusal`, skipped by :func:`stronger_rungs` given a
 :class:`HostRoom`) when the host memory of the node cannot hold what it would move: the bytes each block moved in
-an earlier offloaded step (:attr:`lightning_ckpt.core.offload.HostOffload.per_block`), summed over the rung's
-offloaded blocks and over the node's ranks. Without such a measurement the rung is taken, and the offload hooks
+an earlier offloaded step (:attr:`lightning_ckpt.core.offload.HostOffload.per_block`), summed over the policy's
+offloaded blocks and over the node's ranks. Without such a measurement the policy is taken, and the offload hooks
 themselves refuse during the step as soon as the host cannot hold what they move
 (:class:`~lightning_ckpt.core.offload.HostMemoryError`).
 """
@@ -64,8 +64,8 @@ def stronger(new: Layout, old: Layout, accelerator: bool) -> bool:
 
 def stronger_rungs(current: Layout, ladder: Sequence[str], accelerator: bool,
                    room: Optional["HostRoom"] = None) -> Iterator[str]:
-    """The rungs of ``ladder`` that are :func:`stronger` than ``current``, in ladder order; with ``room``, without
-    the rungs :func:`offload_refusal` refuses."""
+    """The policies of ``ladder`` that are :func:`stronger` than ``current``, in ladder order; with ``room``, without
+    the policies :func:`offload_refusal` refuses."""
     for rung in ladder:
         try:
             layout = parse_policy(rung).layout(len(current.modes))
@@ -77,7 +77,7 @@ def stronger_rungs(current: Layout, ladder: Sequence[str], accelerator: bool,
 
 def next_rung(current: Layout, ladder: Sequence[str], accelerator: bool,
               room: Optional["HostRoom"] = None) -> Optional[str]:
-    """The first rung of ``ladder`` stronger than ``current``; ``None`` when there is none (the caller stops with
+    """The first policy of ``ladder`` stronger than ``current``; ``None`` when there is none (the caller stops with
     the diagnosis)."""
     return next(stronger_rungs(current, ladder, accelerator, room), None)
 

@@ -1,6 +1,6 @@
 """Equivalence check, block by block: does every checkpointed block compute what it computes plain?
 
-The seed's "loss and gradient behaviour on a fixed small batch", automated, in the regime being trained and within
+The check of "loss and gradient behaviour on a fixed small batch", automated, in the regime being trained and within
 the memory of the checkpointed step. :func:`verify_equivalence` runs the batch's forward once, under
 ``torch.no_grad()`` with every block plain, and keeps each checkpointed unit's inputs (a block, or the ``K`` blocks
 of a ``group:K`` region as one unit), its autocast state and the random-number state it started from; the forward

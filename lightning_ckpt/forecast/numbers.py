@@ -23,7 +23,7 @@ instead of the fused kernel's q, k, v and logsumexp (:func:`math_attention_extra
 H is the head at the end of the forward, counted when the vocabulary ``V`` is given (``vocab``): the final norm's
 input and output (two hidden-width tensors) and two ``micro_batch × seq_len × V`` tensors in the activation dtype
 (the logits and the loss's log-softmax). A model whose loss upcasts the logits to float32 keeps more (``plan
---model`` traces it). Without ``vocab`` the blocks alone are counted, as in the seed's worked example.
+--model`` traces it). Without ``vocab`` the blocks alone are counted, as in the worked example below.
 
 Phases, in Lightning's order: the forward holds the model state with the previous step's gradients (Lightning
 frees them between ``training_step`` and ``backward``) plus the activations; backward starts without gradients and
@@ -35,7 +35,7 @@ optimizer step holds the model state and its temporaries.
 replays its interior, the blocks after it (and the head) are already freed: the peak is the end of the forward, or
 the replay of the last checkpointed block with everything before it.
 
-The seed's worked example (1.3 B parameters, bf16 parameters and gradients, Adam with fp32 moments and an fp32
+The worked example (1.3 B parameters, bf16 parameters and gradients, Adam with fp32 moments and an fp32
 master copy, 24 blocks of width 2048, micro-batch 2 × 2048 tokens, bf16 activations) gives 2.42 GiB of
 parameters, 2.42 GiB of gradients, 9.69 GiB of moments, 4.84 GiB of master copy — 19.4 GiB of model state —
 16 MiB per hidden-width tensor and 384 MiB of boundaries with every block checkpointed.

@@ -98,7 +98,7 @@ class ModelForecast(LedgerForecast):
         precision: the Lightning precision name the step was traced in.
         trace_s: per policy, seconds the fake forward and backward took.
         device: whose kernels the trace reproduced (``"cpu"`` or ``"cuda"``).
-        anatomy: per policy, what is alive at the traced step's peaks, named, in the seed's units, with the
+        anatomy: per policy, what is alive at the traced step's peaks, named, in hidden-width units, with the
             findings (:func:`lightning_ckpt.decide.anatomy.anatomy`; the training report's ``peak`` section).
     """
 

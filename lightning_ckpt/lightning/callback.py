@@ -25,7 +25,7 @@ class ActivationCheckpointing(Callback):
 
     The blocks are patched in place (non-reentrant ``torch.utils.checkpoint``, RNG preserved): module paths,
     ``state_dict()`` keys and parameters never change, so checkpoints load with or without the callback. The
-    ``*_ac`` strategies (``strategy="ddp_ac"``) put this same callback into the Trainer: both doors are one
+    ``*_ac`` strategies (``strategy="ddp_ac"``) put this same callback into the Trainer: both ways in are one
     product (:mod:`lightning_ckpt.lightning.engine`).
 
     What happens at which hook:
@@ -52,7 +52,7 @@ class ActivationCheckpointing(Callback):
         policy: which blocks to checkpoint and how: ``"all"``, ``"none"``, ``"every:N"``, ``"first:K"``,
             ``"blocks:0-5,9"``, ``"group:K"``, ``"group:sqrt"``, ``"selective"``, ``"selective:mm,sdpa"``,
             ``"offload"``, ``"budget:18GiB"`` (or a :class:`~lightning_ckpt.core.policy.Policy`). ``None``:
-            ``"all"``, or with ``auto_threshold`` the bottom rung of ``ladder``.
+            ``"all"``, or with ``auto_threshold`` the first policy of ``ladder``.
         blocks: which modules are the blocks: ``None`` detects them; otherwise a class name (``"GPT2Block"``),
             a path glob (``"model.layers.*"``), an ``nn.Module`` class, or a list of these.
         preserve_rng_state: replay dropout with the same random state (keep ``True`` when dropout is active).
@@ -68,12 +68,12 @@ class ActivationCheckpointing(Callback):
         capacity: device capacity (``"24GiB"``) when it cannot be read from the device (CPU) or when planning
             for another card.
         ladder: policy strings from least to most checkpointing (default ``["none", "every:2", "all"]``).
-        release: a lower rung is taken when its predicted peak stays under ``release × auto_threshold``.
+        release: the policy below is taken when its predicted peak stays under ``release × auto_threshold``.
         cooldown: optimizer steps of calm before stepping down, and the minimum dwell after a switch.
         decide_every_n_steps: with ``auto_threshold``, the auto-toggle reads and decides on every n-th optimizer
             step. Under several processes a decision step costs one collective of one float and one host sync;
             the other steps (neither logged nor deciding) cost no sync, no collective, no hook.
-        on_oom: ``"raise"`` (diagnose and re-raise) or ``"escalate"`` (retry the step one rung up).
+        on_oom: ``"raise"`` (diagnose and re-raise) or ``"escalate"`` (retry the step one policy up).
         stateful: modules with running statistics in checkpointed blocks: ``"warn"``, ``"skip"`` (keep those
             blocks un-checkpointed) or ``"error"``.
         verify: compare one checkpointed and one plain step on the first batch before training.
@@ -93,7 +93,7 @@ class ActivationCheckpointing(Callback):
         shape_fn: ``shape_fn(batch) -> (micro-batch, length, ...)`` when the batch's shape cannot be read from it
             (:func:`lightning_ckpt.decide.shapes.shape_of` reads token ids, masks, encoder-decoder and image batches).
         per_shape: plan each step from its batch's shape before it runs: ``budget:`` a plan per shape bucket
-            (:mod:`lightning_ckpt.lightning.shaped`), ``auto_threshold`` the lowest rung a bucket needs
+            (:mod:`lightning_ckpt.lightning.shaped`), ``auto_threshold`` the lowest policy of the ladder a bucket needs
             (:mod:`lightning_ckpt.lightning.gate`). ``False``: one plan, changed after measured steps only.
         snapshot_on_oom: on CUDA, record the allocator's history during ``fit`` and, when an allocation fails,
             write ``oom_snapshot_rank{r}.pickle`` beside the logs (PyTorch's memory viewer opens it) before anything
@@ -127,8 +127,8 @@ class ActivationCheckpointing(Callback):
       time from the step's own start to its end (checkpoint saves, validation and the first batch's loading
       between steps excluded; a reference step's point is the next ordinary step's: docs/measurement.md): on CUDA
       the device's time between CUDA events, read on logging steps only (one wait there, none elsewhere).
-    - ``checkpointing/blocks`` (blocks checkpointed this step) and ``checkpointing/level`` (rung of the
-      escalation ladder, with ``auto_threshold``).
+    - ``checkpointing/blocks`` (blocks checkpointed this step) and ``checkpointing/level`` (the policy's
+      position in the escalation ladder, with ``auto_threshold``).
     - The progress bar shows ``act_GiB`` and ``tok/s``. The figures are written to ``trainer.loggers`` directly
       (not through ``self.log``: no device tensor per value) and are in ``trainer.callback_metrics``.
     - Several processes: memory lines are the maximum over ranks, throughput the sum; only rank zero writes.
@@ -141,9 +141,9 @@ class ActivationCheckpointing(Callback):
     steps, by changing block modes in place. Its state is saved in checkpoints.
 
     Out of memory: the error that reaches you names the phase of the step (before forward, forward, backward,
-    first or later optimizer step) with the seed's suspect and the last measured ledger; it is a
+    first or later optimizer step) with its likely cause and the last measured ledger; it is a
     ``torch.OutOfMemoryError`` raised from the original. With ``on_oom="escalate"`` the step is retried on the
-    same batch one rung up the ladder until the ladder is exhausted.
+    same batch one policy up the ladder until the ladder is exhausted.
 
     Budget (``policy="budget:18GiB"`` or ``"budget:0.5"`` of capacity): calibration steps (9 on the CPU, 13 on
     CUDA; see :class:`lightning_ckpt.decide.calibration.BudgetCalibration`) measure every block's bytes kept, replay
@@ -160,11 +160,11 @@ class ActivationCheckpointing(Callback):
     ``compile_blocks=True`` (or compiling block by block yourself), or to the compiler's own
     ``activation_memory_budget``.
 
-    Diagnosis: at the end of ``fit`` (and on :meth:`report`) rank zero prints the ledger table and the seed's
-    advice, and writes ``lightning_ckpt_report.json`` beside the logs. Before the first step, and on every plan
-    change, the plan is checked for replay hazards (``stateful``); with ``verify=True`` every checkpointed block
-    of the first batch is run in its mode and plain, under the training step's precision, and compared
-    (:func:`lightning_ckpt.decide.verify.verify_equivalence`).
+    Diagnosis: at the end of ``fit`` (and on :meth:`report`) rank zero prints the ledger table and the
+    advice for its largest line, and writes ``lightning_ckpt_report.json`` beside the logs. Before the first step,
+    and on every plan change, the plan is checked for replay hazards (``stateful``); with ``verify=True`` every
+    checkpointed block of the first batch is run in its mode and plain, under the training step's precision, and
+    compared (:func:`lightning_ckpt.decide.verify.verify_equivalence`).
 
     Known limitations:
         - Only ``fit`` applies the plan; ``validate``/``test``/``predict`` alone leave the model untouched.
@@ -172,8 +172,6 @@ class ActivationCheckpointing(Callback):
           ``setup`` or ``configure_model``).
         - A model already checkpointed by ``checkpoint_wrapper``, composable ``checkpoint`` or Hugging Face
           ``gradient_checkpointing_enable()`` is refused with an error instead of being checkpointed twice.
-        - ``budget:`` re-calibrates after a resume (its calibration steps, never above the un-checkpointed
-          memory); each rank calibrates on its own measurements.
     """
 
     def __init__(

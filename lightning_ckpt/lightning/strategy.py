@@ -1,4 +1,4 @@
-"""The Strategy door: a mixin that gives any Lightning strategy the callback's whole product, and registered names.
+"""The strategy way in: a mixin that gives any Lightning strategy the callback's whole product, and registered names.
 
 ``ActivationCheckpointingMixin`` goes *before* the strategy class in the bases::
 
@@ -48,7 +48,7 @@ class ActivationCheckpointingMixin:
 
     The mixin holds an ``ActivationCheckpointing`` callback built from its keyword arguments (so a bad value
     raises in the strategy's ``__init__``) and puts it into ``trainer.callbacks`` when the Trainer connects the
-    model, before any other hook. From there on the strategy door *is* the callback door: the same plan, the same
+    model, before any other hook. From there on the strategy *is* the callback: the same plan, the same
     measurement and TensorBoard curves, auto-toggle, budget, out-of-memory handling, safety checks and report, and
     the same checkpoint state (a run trained with ``strategy="ddp_ac"`` resumes with the callback, and the
     reverse). ``ActivationCheckpointingMixin`` goes *before* the strategy class in the bases::

@@ -127,10 +127,10 @@ def test_per_block_units_and_the_seeds_arithmetic_for_this_run():
     assert [b["name"] for b in blocks] == ["layers.0", "layers.1"]
     assert blocks[0]["hidden_tensors"] == pytest.approx(blocks[0]["kept"] / unit, abs=0.01)
     assert any("its input kept by qkv" in p["what"] for p in blocks[1]["parts"])
-    assert data["seed_arithmetic"] and data["seed_arithmetic"][0].startswith("2 blocks kept whole × ")
+    assert data["arithmetic"] and data["arithmetic"][0].startswith("2 blocks kept whole × ")
     checkpointed = _anatomy(Net("eager"), policy="all")
     assert [b["hidden_tensors"] for b in checkpointed["per_block"]] == [1.0, 1.0]  # only their inputs
-    assert checkpointed["seed_arithmetic"][0].startswith("2 checkpointed blocks × 1.0 hidden-width tensors")
+    assert checkpointed["arithmetic"][0].startswith("2 checkpointed blocks × 1.0 hidden-width tensors")
     text = anatomy_text(dict(data, step=3, shape="2 x 16"))
     assert "what is alive at the activation peak (step 3, batch 2 x 16" in text and "blocks 0-1:" in text
     assert "[attention_scores]" in text

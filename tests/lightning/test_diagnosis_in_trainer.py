@@ -292,7 +292,7 @@ def test_the_report_names_the_tensors_at_the_peak_in_the_seeds_units(tmp_path, c
     assert [b["name"] for b in peak["per_block"]] == list(cb.plan.names)
     per_block = [b["hidden_tensors"] for b in peak["per_block"]]
     assert per_block[0] == 1.0 and per_block[1] > 5  # every:2: block 0 keeps its input, block 1 its interior
-    assert isinstance(peak["findings"], list) and peak["seed_arithmetic"]
+    assert isinstance(peak["findings"], list) and peak["arithmetic"]
 
 
 def test_an_out_of_memory_error_names_the_last_reference_steps_tensors(tmp_path):
