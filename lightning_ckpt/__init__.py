@@ -63,6 +63,9 @@ def __dir__() -> list:
 
 
 def _register_strategies() -> None:
+    module = sys.modules.get("lightning_ckpt.lightning.strategy")
+    if module is not None and not hasattr(module, "register_strategies"):
+        return  # that module loaded Lightning on its way in: it registers them itself once it is done
     try:
         from lightning_ckpt.lightning.strategy import register_strategies
 

@@ -100,6 +100,8 @@ ORDERS = {
     "lightning first": ("import lightning.pytorch", "import lightning_ckpt"),
     # the README's line: the callback's import is what loads Lightning, mid-way through lightning_ckpt's own import
     "the callback first": ("from lightning_ckpt import ActivationCheckpointing", "import lightning.pytorch"),
+    # a strategy class named before Lightning is loaded: its module loads Lightning (it warned, registering nothing)
+    "a strategy first": ("from lightning_ckpt import DDPActivationCheckpointingStrategy", "import lightning.pytorch"),
 }
 
 

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_ckpt.core.blocks import BlockSelector
 from lightning_ckpt.core.policy import Policy
 from lightning_ckpt.core.wrap import CheckpointPlan
 from lightning_ckpt.decide.controller import Controller
 from lightning_ckpt.lightning.conflicts import ENGINE_ATTR
 from lightning_ckpt.lightning.engine import CheckpointingEngine
 from lightning_ckpt.lightning.metrics import TENSORBOARD_LAYOUT
-from lightning_ckpt.lightning.settings import Settings
+from lightning_ckpt.lightning.settings import Options, Settings
 
 __all__ = ["TENSORBOARD_LAYOUT", "ActivationCheckpointing"]
 
 
-class ActivationCheckpointing(Callback):
+class ActivationCheckpointing(Options, Callback):
     """Checkpoint the repeated Transformer blocks of the LightningModule during ``fit``, measure every step, decide.
 
     The blocks are patched in place (non-reentrant ``torch.utils.checkpoint``, RNG preserved): module paths,
@@ -48,61 +47,9 @@ class ActivationCheckpointing(Callback):
     The plan stays on the model after ``fit`` (so ``fit`` again, or ``validate``, re-targets the same plan and
     nothing is wrapped twice); call :func:`lightning_ckpt.remove_checkpointing` to undo it.
 
-    Args:
-        policy: which blocks to checkpoint and how: ``"all"``, ``"none"``, ``"every:N"``, ``"first:K"``,
-            ``"blocks:0-5,9"``, ``"group:K"``, ``"group:sqrt"``, ``"selective"``, ``"selective:mm,sdpa"``,
-            ``"offload"``, ``"budget:18GiB"`` (or a :class:`~lightning_ckpt.core.policy.Policy`). ``None``:
-            ``"all"``, or with ``auto_threshold`` the first policy of ``ladder``.
-        blocks: which modules are the blocks: ``None`` detects them; otherwise a class name (``"GPT2Block"``),
-            a path glob (``"model.layers.*"``), an ``nn.Module`` class, or a list of these.
-        preserve_rng_state: replay dropout with the same random state (keep ``True`` when dropout is active).
-        determinism_check: ``"default"`` checks that recomputed tensors match the originals' metadata;
-            ``"none"`` skips the check.
-        debug: add operator traces to checkpoint errors (slow).
-        measure: log the ledger, throughput and checkpointing metrics.
-        exact_every_n_steps: make every n-th measured step an exact (per-op, slow) calibration step; 0 never.
-        tokens_fn: ``tokens_fn(batch) -> int`` to count tokens yourself.
-        prefix: root for the metric names (``"ac"`` gives ``ac/memory/...``).
-        auto_threshold: activation peak that triggers more checkpointing: a size (``"18GiB"``, ``"512MiB"``,
-            bytes) or a fraction of capacity (``0.8``). ``None`` disables auto-toggling.
-        capacity: device capacity (``"24GiB"``) when it cannot be read from the device (CPU) or when planning
-            for another card.
-        ladder: policy strings from least to most checkpointing (default ``["none", "every:2", "all"]``).
-        release: the policy below is taken when its predicted peak stays under ``release × auto_threshold``.
-        cooldown: optimizer steps of calm before stepping down, and the minimum dwell after a switch.
-        decide_every_n_steps: with ``auto_threshold``, the auto-toggle reads and decides on every n-th optimizer
-            step. Under several processes a decision step costs one collective of one float and one host sync;
-            the other steps (neither logged nor deciding) cost no sync, no collective, no hook.
-        on_oom: ``"raise"`` (diagnose and re-raise) or ``"escalate"`` (retry the step one policy up).
-        stateful: modules with running statistics in checkpointed blocks: ``"warn"``, ``"skip"`` (keep those
-            blocks un-checkpointed) or ``"error"``.
-        verify: compare one checkpointed and one plain step on the first batch before training.
-        report: print and save the ledger report at the end of ``fit``.
-        compile_blocks: give every block its own ``torch.compile`` graph (``block.compile()``, the torchtitan /
-            FSDP2 way) when the plan is applied. A whole-model compile (``torch.compile(model)`` in
-            ``configure_model``, or ``trainer.fit(torch.compile(model))``) is turned into per-block graphs with its
-            own backend and options (its wrapper stays, so ``state_dict()`` keys do not change; the modules outside
-            the blocks then run eagerly); without a compile the blocks get ``torch.compile``'s defaults. In one
-            whole-model graph a checkpointed model holds 17-26 % more activation memory than eager and the budget
-            cannot use the compiler's budget per block (``compiler:<f>``); per block, both are as eager measures
-            them (:mod:`lightning_ckpt.lightning.compiled`).
-        max_shape: the longest batch the run can see, micro-batch first (``"4x2048"``, ``[4, 2048]``; an
-            encoder-decoder ``"4x512x128"``), for ``budget:``: before the first step a budget no plan meets there
-            raises. ``None``: the model's maximum positions (its config's ``max_position_embeddings``,
-            ``n_positions`` or ``block_size``) with the first batch's micro-batch.
-        shape_fn: ``shape_fn(batch) -> (micro-batch, length, ...)`` when the batch's shape cannot be read from it
-            (:func:`lightning_ckpt.decide.shapes.shape_of` reads token ids, masks, encoder-decoder and image batches).
-        per_shape: plan each step from its batch's shape before it runs: ``budget:`` a plan per shape bucket
-            (:mod:`lightning_ckpt.lightning.shaped`), ``auto_threshold`` the lowest policy of the ladder a bucket needs
-            (:mod:`lightning_ckpt.lightning.gate`). ``False``: one plan, changed after measured steps only.
-        snapshot_on_oom: on CUDA, record the allocator's history during ``fit`` and, when an allocation fails,
-            write ``oom_snapshot_rank{r}.pickle`` beside the logs (PyTorch's memory viewer opens it) before anything
-            is released; the out-of-memory diagnosis names it. ``True`` keeps the newest 100000 events, an int that
-            many. Recording costs host time per allocation: off by default (:mod:`lightning_ckpt.lightning.snapshot`).
-        zero_grad_before_forward: free the previous step's gradients (``optimizer.zero_grad(set_to_none=True)``)
-            before the first micro-batch's forward. Lightning frees them between ``training_step`` and
-            ``backward``, so they stay alive through the forward's peak; the gradients the step builds are the
-            same. Automatic optimization only (``lightning-ckpt plan --remedies`` prices it).
+    The arguments, each with its type, default and meaning, are those of
+    :class:`~lightning_ckpt.lightning.settings.Options` (declared once there, for the callback and every ``*_ac``
+    strategy).
 
     Attributes:
         plan: the :class:`~lightning_ckpt.core.wrap.CheckpointPlan` once applied (``None`` before ``fit``).
@@ -174,43 +121,7 @@ class ActivationCheckpointing(Callback):
           ``gradient_checkpointing_enable()`` is refused with an error instead of being checkpointed twice.
     """
 
-    def __init__(
-        self,
-        policy: Union[str, Policy, None] = None,
-        blocks: BlockSelector = None,
-        preserve_rng_state: bool = True,
-        determinism_check: Literal["default", "none"] = "default",
-        debug: bool = False,
-        measure: bool = True,
-        exact_every_n_steps: int = 0,
-        tokens_fn: Optional[Callable[[Any], Any]] = None,
-        prefix: str = "",
-        auto_threshold: Optional[Union[str, int, float]] = None,
-        capacity: Optional[Union[str, int]] = None,
-        ladder: Optional[List[str]] = None,
-        release: float = 0.8,
-        cooldown: int = 20,
-        decide_every_n_steps: int = 1,
-        on_oom: Literal["raise", "escalate"] = "raise",
-        stateful: Literal["warn", "skip", "error"] = "warn",
-        verify: bool = False,
-        report: bool = True,
-        compile_blocks: bool = False,
-        max_shape: Optional[Union[str, List[int]]] = None,
-        shape_fn: Optional[Callable[[Any], Any]] = None,
-        per_shape: bool = True,
-        snapshot_on_oom: Union[bool, int] = False,
-        zero_grad_before_forward: bool = False,
-    ) -> None:
-        settings = Settings(policy=policy, blocks=blocks, preserve_rng_state=preserve_rng_state,
-                            determinism_check=determinism_check, debug=debug, measure=measure,
-                            exact_every_n_steps=exact_every_n_steps, tokens_fn=tokens_fn, prefix=prefix,
-                            auto_threshold=auto_threshold, capacity=capacity, ladder=ladder, release=release,
-                            cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom,
-                            stateful=stateful, verify=verify, report=report,
-                            compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn,
-                            per_shape=per_shape, snapshot_on_oom=snapshot_on_oom,
-                            zero_grad_before_forward=zero_grad_before_forward)
+    def _configure(self, settings: Settings) -> None:
         setattr(self, ENGINE_ATTR, CheckpointingEngine(settings, owner=type(self).__name__))
 
     # ------------------------------------------------------------------------------------------ what users read

@@ -1,14 +1,18 @@
-"""The arguments both doors take, validated once, before any training: :class:`Settings`.
+"""The arguments of the callback and of every ``*_ac`` strategy, declared once, and validated once before any training.
 
-The callback and the strategy mixin accept the same keyword arguments and hand them to
-:class:`Settings`; a bad value raises here, in the door's ``__init__``, with a message that names the value, lists
-the valid choices and says how to fix it.
+:class:`Options` declares them: its ``__init__`` is the one place where each argument's name, type, default and help
+are written. :class:`~lightning_ckpt.ActivationCheckpointing` inherits that ``__init__``; each ``*_ac`` strategy's
+``__init__`` takes the same arguments (:func:`strategy_signature`, :func:`options_help`), so LightningCLI, ``help()``
+and an IDE see them all. :class:`Settings` holds the values given, validated: a bad value raises here, in the
+``__init__`` of the callback or the strategy, with a message that names the value, lists the valid choices and says
+how to fix it. Adding an argument is one edit here, plus its validation in :class:`Settings` and its documentation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+import inspect
+from dataclasses import FrozenInstanceError
+from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
 import torch
 
@@ -20,47 +24,163 @@ from lightning_ckpt.decide.controller import DEFAULT_LADDER, Controller, resolve
 from lightning_ckpt.decide.safety import STATEFUL_CHOICES
 from lightning_ckpt.decide.shapes import Shape, parse_shape
 
-__all__ = ["ON_OOM", "Settings"]
+__all__ = ["ON_OOM", "Options", "Settings", "options_help", "strategy_signature"]
 
 ON_OOM = ("raise", "escalate")
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Everything a door was configured with; see :class:`~lightning_ckpt.ActivationCheckpointing` for each
-    argument. Derived, validated values: :attr:`start` (the policy applied first), :attr:`budget` (a
-    ``budget:`` policy, or ``None``), :attr:`ladder`, :attr:`capacity_bytes`, :attr:`options`."""
+class Options:
+    """What takes the arguments (see :meth:`__init__`); a subclass receives them validated in :meth:`_configure`."""
 
-    policy: Union[str, Policy, None] = None
-    blocks: BlockSelector = None
-    preserve_rng_state: bool = True
-    determinism_check: str = "default"
-    debug: bool = False
-    measure: bool = True
-    exact_every_n_steps: int = 0
-    tokens_fn: Optional[Callable[[Any], Any]] = None
-    prefix: str = ""
-    auto_threshold: Union[str, int, float, None] = None
-    capacity: Union[str, int, None] = None
-    ladder: Optional[Sequence[str]] = None
-    release: float = 0.8
-    cooldown: int = 20
-    decide_every_n_steps: int = 1
-    on_oom: str = "raise"
-    stateful: str = "warn"
-    verify: bool = False
-    report: bool = True
-    compile_blocks: bool = False
-    max_shape: Union[str, Sequence[int], None] = None
-    shape_fn: Optional[Callable[[Any], Any]] = None
-    per_shape: bool = True
-    snapshot_on_oom: Union[bool, int] = False
-    zero_grad_before_forward: bool = False
-    start: Policy = field(init=False)
-    budget: Optional[BudgetPolicy] = field(init=False)
-    options: CheckpointOptions = field(init=False)
-    capacity_bytes: Optional[int] = field(init=False)
-    shape_cap: Optional[Shape] = field(init=False)
+    def __init__(
+        self,
+        policy: Union[str, Policy, None] = None,
+        blocks: BlockSelector = None,
+        preserve_rng_state: bool = True,
+        determinism_check: Literal["default", "none"] = "default",
+        debug: bool = False,
+        measure: bool = True,
+        exact_every_n_steps: int = 0,
+        tokens_fn: Optional[Callable[[Any], Any]] = None,
+        prefix: str = "",
+        auto_threshold: Optional[Union[str, int, float]] = None,
+        capacity: Optional[Union[str, int]] = None,
+        ladder: Optional[List[str]] = None,
+        release: float = 0.8,
+        cooldown: int = 20,
+        decide_every_n_steps: int = 1,
+        on_oom: Literal["raise", "escalate"] = "raise",
+        stateful: Literal["warn", "skip", "error"] = "warn",
+        verify: bool = False,
+        report: bool = True,
+        compile_blocks: bool = False,
+        max_shape: Optional[Union[str, List[int]]] = None,
+        shape_fn: Optional[Callable[[Any], Any]] = None,
+        per_shape: bool = True,
+        snapshot_on_oom: Union[bool, int] = False,
+        zero_grad_before_forward: bool = False,
+    ) -> None:
+        """Every argument is validated here: a bad value raises before any training.
+
+        Args:
+            policy: which blocks to checkpoint and how: ``"all"``, ``"none"``, ``"every:N"``, ``"first:K"``,
+                ``"blocks:0-5,9"``, ``"group:K"``, ``"group:sqrt"``, ``"selective"``, ``"selective:mm,sdpa"``,
+                ``"offload"``, ``"budget:18GiB"`` (or a :class:`~lightning_ckpt.core.policy.Policy`). ``None``:
+                ``"all"``, or with ``auto_threshold`` the first policy of ``ladder``.
+            blocks: which modules are the blocks: ``None`` detects them; otherwise a class name (``"GPT2Block"``),
+                a path glob (``"model.layers.*"``), an ``nn.Module`` class, or a list of these.
+            preserve_rng_state: replay dropout with the same random state (keep ``True`` when dropout is active).
+            determinism_check: ``"default"`` checks that recomputed tensors match the originals' metadata;
+                ``"none"`` skips the check.
+            debug: add operator traces to checkpoint errors (slow).
+            measure: log the ledger, throughput and checkpointing metrics.
+            exact_every_n_steps: make every n-th measured step an exact (per-op, slow) calibration step; 0 never.
+            tokens_fn: ``tokens_fn(batch) -> int`` to count tokens yourself.
+            prefix: root for the metric names (``"ac"`` gives ``ac/memory/...``).
+            auto_threshold: activation peak that triggers more checkpointing: a size (``"18GiB"``, ``"512MiB"``,
+                bytes) or a fraction of capacity (``0.8``). ``None`` disables auto-toggling.
+            capacity: device capacity (``"24GiB"``) when it cannot be read from the device (CPU) or when planning
+                for another card.
+            ladder: policy strings from least to most checkpointing (default ``["none", "every:2", "all"]``).
+            release: the policy below is taken when its predicted peak stays under ``release × auto_threshold``.
+            cooldown: optimizer steps of calm before stepping down, and the minimum dwell after a switch.
+            decide_every_n_steps: with ``auto_threshold``, the auto-toggle reads and decides on every n-th optimizer
+                step. Under several processes a decision step costs one collective of one float and one host sync;
+                the other steps (neither logged nor deciding) cost no sync, no collective, no hook.
+            on_oom: ``"raise"`` (diagnose and re-raise) or ``"escalate"`` (retry the step one policy up).
+            stateful: modules with running statistics in checkpointed blocks: ``"warn"``, ``"skip"`` (keep those
+                blocks un-checkpointed) or ``"error"``.
+            verify: compare one checkpointed and one plain step on the first batch before training.
+            report: print and save the ledger report at the end of ``fit``.
+            compile_blocks: give every block its own ``torch.compile`` graph (``block.compile()``, the torchtitan /
+                FSDP2 way) when the plan is applied. A whole-model compile (``torch.compile(model)`` in
+                ``configure_model``, or ``trainer.fit(torch.compile(model))``) is turned into per-block graphs with
+                its own backend and options (its wrapper stays, so ``state_dict()`` keys do not change; the modules
+                outside the blocks then run eagerly); without a compile the blocks get ``torch.compile``'s defaults.
+                In one whole-model graph a checkpointed model holds 17-26 % more activation memory than eager and
+                the budget cannot use the compiler's budget per block (``compiler:<f>``); per block, both are as
+                eager measures them (:mod:`lightning_ckpt.lightning.compiled`).
+            max_shape: the longest batch the run can see, micro-batch first (``"4x2048"``, ``[4, 2048]``; an
+                encoder-decoder ``"4x512x128"``), for ``budget:``: before the first step a budget no plan meets
+                there raises. ``None``: the longest length the budget holds at the first batch's micro-batch is
+                found on fake tensors before the first step and said (the config's maximum positions never refuse
+                a run).
+            shape_fn: ``shape_fn(batch) -> (micro-batch, length, ...)`` when the batch's shape cannot be read from
+                it (:func:`lightning_ckpt.decide.shapes.shape_of` reads token ids, masks, encoder-decoder and image
+                batches).
+            per_shape: plan each step from its batch's shape before it runs: ``budget:`` a plan per shape bucket
+                (:mod:`lightning_ckpt.lightning.shaped`), ``auto_threshold`` the lowest policy of the ladder a
+                bucket needs (:mod:`lightning_ckpt.lightning.gate`). ``False``: one plan, changed after measured
+                steps only.
+            snapshot_on_oom: on CUDA, record the allocator's history during ``fit`` and, when an allocation fails,
+                write ``oom_snapshot_rank{r}.pickle`` beside the logs (PyTorch's memory viewer opens it) before
+                anything is released; the out-of-memory diagnosis names it. ``True`` keeps the newest 100000
+                events, an int that many. Recording costs host time per allocation: off by default
+                (:mod:`lightning_ckpt.lightning.snapshot`).
+            zero_grad_before_forward: free the previous step's gradients (``optimizer.zero_grad(set_to_none=True)``)
+                before the first micro-batch's forward. Lightning frees them between ``training_step`` and
+                ``backward``, so they stay alive through the forward's peak; the gradients the step builds are the
+                same. Automatic optimization only (``lightning-ckpt plan --remedies`` prices it).
+        """
+        given = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        self._configure(Settings(**given))
+
+    def _configure(self, settings: "Settings") -> None:
+        raise NotImplementedError(f"{type(self).__name__} takes the options but does nothing with them.")
+
+
+def _declared(resolved: bool = False) -> Dict[str, inspect.Parameter]:
+    """:class:`Options`' arguments, in order (``self`` left out); ``resolved``: annotations as types, not strings
+    (for a signature read outside this module)."""
+    return dict(list(inspect.signature(Options.__init__, eval_str=resolved).parameters.items())[1:])
+
+
+def strategy_signature(strategy_init: Callable[..., Any]) -> inspect.Signature:
+    """A strategy mixin's ``__init__`` signature: ``self, *args``, then every option as a keyword, then
+    ``**kwargs`` (what ``strategy_init`` passes on to the strategy)."""
+    kind = inspect.Parameter
+    return inspect.Signature(
+        [kind("self", kind.POSITIONAL_OR_KEYWORD), kind("args", kind.VAR_POSITIONAL, annotation=Any),
+         *(p.replace(kind=kind.KEYWORD_ONLY) for p in _declared(resolved=True).values()),
+         kind("kwargs", kind.VAR_KEYWORD, annotation=Any)],
+        return_annotation=None)
+
+
+def options_help() -> str:
+    """The ``Args:`` section of :meth:`Options.__init__`'s docstring (for a strategy's ``__init__``)."""
+    doc = inspect.getdoc(Options.__init__) or ""
+    return doc[doc.index("Args:"):]
+
+
+class Settings:
+    """The validated arguments (read-only). Derived values: :attr:`start` (the policy applied first),
+    :attr:`budget` (a ``budget:`` policy, or ``None``), :attr:`ladder` (a tuple of policy strings),
+    :attr:`capacity_bytes`, :attr:`options` (the checkpoint options), :attr:`shape_cap`.
+
+    ``Settings(**arguments)`` takes :class:`Options`' arguments by name; those not given take their defaults.
+    """
+
+    start: Policy
+    budget: Optional[BudgetPolicy]
+    options: CheckpointOptions
+    capacity_bytes: Optional[int]
+    shape_cap: Optional[Shape]
+
+    def __init__(self, **arguments: Any) -> None:
+        declared = _declared()
+        unknown = sorted(set(arguments) - set(declared))
+        if unknown:
+            raise TypeError(f"{unknown[0]!r} is not an argument of ActivationCheckpointing; the arguments are "
+                            f"{list(declared)}.")
+        for name, parameter in declared.items():
+            object.__setattr__(self, name, arguments.get(name, parameter.default))
+        self.__post_init__()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}: the settings are read-only")
+
+    def __repr__(self) -> str:
+        return "Settings(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in _declared()) + ")"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -18,16 +18,17 @@ Registered names (see :func:`register_strategies`, run when Lightning is loaded 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Literal, Optional, Union
+import inspect
+from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
 
-from lightning_ckpt.core.blocks import BlockSelector
 from lightning_ckpt.core.policy import Policy
 from lightning_ckpt.core.wrap import CheckpointPlan
 from lightning_ckpt.lightning.conflicts import check_strategy
+from lightning_ckpt.lightning.settings import Options, options_help, strategy_signature
 
 __all__ = [
     "LEGACY_CHECKPOINT_KEY",
@@ -55,53 +56,18 @@ class ActivationCheckpointingMixin:
 
         class MyStrategy(ActivationCheckpointingMixin, SomeLightningStrategy): ...
 
-    Args:
-        policy, blocks, ...: the arguments of :class:`~lightning_ckpt.ActivationCheckpointing` (same meaning, same
-            defaults); ``policy=None`` is ``"all"``.
-        *args, **kwargs: passed on to the strategy.
+    Its ``__init__`` takes ``*args`` and ``**kwargs`` for the strategy and every argument of
+    :class:`~lightning_ckpt.ActivationCheckpointing` by keyword (same meaning, same defaults; ``policy=None`` is
+    ``"all"``), declared once in :class:`~lightning_ckpt.lightning.settings.Options`.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        policy: Union[str, Policy, None] = None,
-        blocks: BlockSelector = None,
-        preserve_rng_state: bool = True,
-        determinism_check: Literal["default", "none"] = "default",
-        debug: bool = False,
-        measure: bool = True,
-        exact_every_n_steps: int = 0,
-        tokens_fn: Optional[Callable[[Any], Any]] = None,
-        prefix: str = "",
-        auto_threshold: Optional[Union[str, int, float]] = None,
-        capacity: Optional[Union[str, int]] = None,
-        ladder: Optional[List[str]] = None,
-        release: float = 0.8,
-        cooldown: int = 20,
-        decide_every_n_steps: int = 1,
-        on_oom: Literal["raise", "escalate"] = "raise",
-        stateful: Literal["warn", "skip", "error"] = "warn",
-        verify: bool = False,
-        report: bool = True,
-        compile_blocks: bool = False,
-        max_shape: Optional[Union[str, List[int]]] = None,
-        shape_fn: Optional[Callable[[Any], Any]] = None,
-        per_shape: bool = True,
-        snapshot_on_oom: Union[bool, int] = False,
-        zero_grad_before_forward: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         # imported here, not at the top: registering the strategies (which imports this module) runs right after
         # Lightning loads, and Lightning may be loading *because* the callback's module is being imported
         from lightning_ckpt.lightning.callback import ActivationCheckpointing
 
-        callback = ActivationCheckpointing(
-            policy=policy, blocks=blocks, preserve_rng_state=preserve_rng_state, determinism_check=determinism_check,
-            debug=debug, measure=measure, exact_every_n_steps=exact_every_n_steps, tokens_fn=tokens_fn,
-            prefix=prefix, auto_threshold=auto_threshold, capacity=capacity, ladder=ladder, release=release,
-            cooldown=cooldown, decide_every_n_steps=decide_every_n_steps, on_oom=on_oom, stateful=stateful,
-            verify=verify, report=report, compile_blocks=compile_blocks, max_shape=max_shape, shape_fn=shape_fn,
-            per_shape=per_shape, snapshot_on_oom=snapshot_on_oom, zero_grad_before_forward=zero_grad_before_forward)
+        options = {name: kwargs.pop(name) for name in list(kwargs) if name in OPTION_NAMES}
+        callback = ActivationCheckpointing(**options)
         callback._engine.owner = type(self).__name__
         super().__init__(*args, **kwargs)
         self.checkpointing = callback
@@ -129,6 +95,16 @@ class ActivationCheckpointingMixin:
         if legacy is not None and self.checkpointing.state_key not in checkpoint.get("callbacks", {}):
             self.checkpointing.load_state_dict(legacy)
         return checkpoint
+
+
+OPTION_NAMES = frozenset(list(inspect.signature(Options.__init__).parameters)[1:])
+"""The callback's arguments, which a strategy's ``__init__`` takes by keyword and hands to its callback."""
+
+# LightningCLI (jsonargparse), help() and inspect read the strategy's arguments from these: one declaration
+ActivationCheckpointingMixin.__init__.__signature__ = strategy_signature(ActivationCheckpointingMixin.__init__)
+ActivationCheckpointingMixin.__init__.__doc__ = (
+    "Build the strategy with activation checkpointing.\n\n" + options_help()
+    + "\n    *args: passed on to the strategy.\n    **kwargs: passed on to the strategy.")
 
 
 class SingleDeviceActivationCheckpointingStrategy(ActivationCheckpointingMixin, SingleDeviceStrategy):
@@ -203,3 +179,8 @@ def register_strategies(registry: Any = None) -> None:
         )
     if "fsdp_ac" not in FSDPStrategy._registered_strategies:
         FSDPStrategy._registered_strategies.append("fsdp_ac")
+
+
+# importing this module loads Lightning: when that import is what brought Lightning in, the package's hook found
+# this module half-built and left the registration to it
+register_strategies()

@@ -135,3 +135,40 @@ def test_bad_policy_on_the_command_line_fails_before_training(tmp_path, capsys):
             ],
             trainer_defaults={"logger": False},
         )
+
+
+def test_every_argument_is_declared_once_and_reaches_the_callback_and_each_strategy(capsys):
+    """The callback's and each ``*_ac`` strategy's arguments are one declaration (settings.Options): the same names,
+    types and defaults, and LightningCLI's help shows each with its type, default and help, for the callback and for
+    every strategy (the strategies' help said nothing per argument; their signatures were a copy)."""
+    import inspect
+
+    from lightning_ckpt import (
+        ActivationCheckpointing,
+        DDPActivationCheckpointingStrategy,
+        FSDPActivationCheckpointingStrategy,
+        SingleDeviceActivationCheckpointingStrategy,
+    )
+    from lightning_ckpt.lightning.settings import Options
+
+    declared = {n: p for n, p in inspect.signature(Options.__init__, eval_str=True).parameters.items() if n != "self"}
+    callback = inspect.signature(ActivationCheckpointing, eval_str=True).parameters
+    assert {n: (p.annotation, p.default) for n, p in callback.items()} == \
+        {n: (p.annotation, p.default) for n, p in declared.items()}
+    for strategy in (SingleDeviceActivationCheckpointingStrategy, DDPActivationCheckpointingStrategy,
+                     FSDPActivationCheckpointingStrategy):
+        params = inspect.signature(strategy.__init__).parameters
+        assert {n: (params[n].annotation, params[n].default) for n in declared} == \
+            {n: (p.annotation, p.default) for n, p in declared.items()}, strategy
+
+    helps = {}
+    for flag, target in (("callbacks", CALLBACK), ("strategy", DDP_AC)):
+        code, helps[flag] = _cli_in_process(["fit", f"--trainer.{flag}.help", target], capsys)
+        assert code == 0
+    for flag, text in helps.items():
+        text = " ".join(text.split())  # argparse wraps the help lines
+        for name in declared:
+            assert f"--trainer.{flag}.{name} " in text, (flag, name)
+        assert "steps of calm before stepping down, and the minimum dwell after a switch. (type: int, default: 20)" \
+            in text, flag
+        assert "free the previous step's gradients" in text, flag
