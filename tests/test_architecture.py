@@ -174,3 +174,20 @@ print("ok")
 def test_an_unknown_top_level_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nope'"), warnings.catch_warnings():
         lightning_ckpt.nope  # noqa: B018
+
+
+def test_no_function_of_the_lightning_layer_is_longer_than_60_lines():
+    """Short functions (issue 38): each function of ``lightning_ckpt/lightning`` fits in 60 lines of code, its
+    docstring aside (the callback's arguments are declared with their help in one docstring). ``fit_start`` had 70."""
+    import ast
+
+    long = []
+    for path in sorted((PACKAGE / "lightning").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = node.body[0] if node.body and isinstance(node.body[0], ast.Expr) and \
+                    isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str) else None
+                lines = node.end_lineno - node.lineno + 1 - (doc.end_lineno - doc.lineno + 1 if doc else 0)
+                if lines > 60:
+                    long.append(f"{path.name}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, long

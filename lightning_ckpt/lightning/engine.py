@@ -238,33 +238,7 @@ class CheckpointingEngine:
         if self.plan.blocks:
             self._handles.append(self.plan.blocks[0].register_forward_pre_hook(lambda *_: self.phase.forward_start()))
         if s.budget is not None:
-            budget = s.budget.budget
-            budget = int(budget * self.capacity) if isinstance(budget, float) else budget
-            sync = torch.cuda.synchronize if device.type == "cuda" else None
-            # offload is a mode only where host memory is not the device's own memory
-            modes = ("recompute", "selective", "offload") if device.type == "cuda" else ("recompute", "selective")
-            caller = compiled_block_caller(pl_module, self.plan.blocks)
-            one_graph = blocks_in_one_compiled_graph(pl_module, self.plan.blocks)
-            # the compiler's budget is one per graph: a block's own only when it is compiled as its own graph
-            # (and only with a torch that has it: the fractions are not offered on older releases)
-            fractions = COMPILER_FRACTIONS if caller is not None and not one_graph and compiler_budget_unavailable() \
-                is None else ()
-            self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
-                                                 modes=modes, block_caller=caller, compiler_fractions=fractions)
-            if not one_graph and s.per_shape:  # one whole-model graph: one plan (lightning/shaped.py)
-                self.shapes = ShapeSteps(self, budget, (*modes, *[COMPILER_MODE] * bool(fractions)))
-                self.shapes.setup(trainer)
-                self.calibration.predict = self.shapes.traced_at_calibration  # no stage predicted over the budget
-                raised = room_for_plans(len(modes) + 1 + len(fractions)) if caller is not None else None
-                if raised:
-                    self._restore_dynamo = raised[1]
-                    self.info(raised[0])
-            if self._budget_state is not None:
-                self._resume_budget(self._budget_state)
-            if one_graph:
-                from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-                rank_zero_warn(WHOLE_MODEL_COMPILE_BUDGET.format(spec=self.policy.spec))
+            self._start_budget(trainer, pl_module, device)
         if s.snapshot_on_oom and (self.snapshot is None or not self.snapshot.recording):  # each fit records
             self._start_snapshot(trainer)
         if self.controller is not None and self.calibration is None and s.per_shape:
@@ -273,18 +247,55 @@ class CheckpointingEngine:
         if self.controller is not None:  # it decides on the reduced activation line: gathered on the host
             self.ranks.setup(trainer)
         self._check_compiler_modes(pl_module)
-        if s.measure and not trainer.loggers and not self._warned_no_logger:
+        if s.measure:
+            self._prepare_loggers(trainer)
+
+    def _start_budget(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", device: torch.device) -> None:
+        """``budget:``: the calibration, the per-shape steps (unless the blocks are one compiled graph) and what a
+        checkpoint saved of them."""
+        s = self.settings
+        budget = s.budget.budget
+        budget = int(budget * self.capacity) if isinstance(budget, float) else budget
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        # offload is a mode only where host memory is not the device's own memory
+        modes = ("recompute", "selective", "offload") if device.type == "cuda" else ("recompute", "selective")
+        caller = compiled_block_caller(pl_module, self.plan.blocks)
+        one_graph = blocks_in_one_compiled_graph(pl_module, self.plan.blocks)
+        # the compiler's budget is one per graph: a block's own only when it is compiled as its own graph
+        # (and only with a torch that has it: the fractions are not offered on older releases)
+        fractions = COMPILER_FRACTIONS if caller is not None and not one_graph and compiler_budget_unavailable() \
+            is None else ()
+        self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
+                                             modes=modes, block_caller=caller, compiler_fractions=fractions)
+        if not one_graph and s.per_shape:  # one whole-model graph: one plan (lightning/shaped.py)
+            self.shapes = ShapeSteps(self, budget, (*modes, *[COMPILER_MODE] * bool(fractions)))
+            self.shapes.setup(trainer)
+            self.calibration.predict = self.shapes.traced_at_calibration  # no stage predicted over the budget
+            raised = room_for_plans(len(modes) + 1 + len(fractions)) if caller is not None else None
+            if raised:
+                self._restore_dynamo = raised[1]
+                self.info(raised[0])
+        if self._budget_state is not None:
+            self._resume_budget(self._budget_state)
+        if one_graph:
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(WHOLE_MODEL_COMPILE_BUDGET.format(spec=self.policy.spec))
+
+    def _prepare_loggers(self, trainer: "pl.Trainer") -> None:
+        """Warn once when nothing will keep the curves; give TensorBoard its layout (rank zero)."""
+        if not trainer.loggers and not self._warned_no_logger:
             self._warned_no_logger = True
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
             rank_zero_warn("lightning_ckpt: measure=True but the Trainer has no logger, so the memory curves are not "
                            "saved; pass a logger (e.g. TensorBoardLogger) or measure=False.")
-        if s.measure and trainer.is_global_zero:
+        if trainer.is_global_zero:
             from lightning.pytorch.loggers import TensorBoardLogger
 
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_custom_scalars(tensorboard_layout(s.prefix))
+                    logger.experiment.add_custom_scalars(tensorboard_layout(self.settings.prefix))
 
     def _read_capacity_again(self, device: torch.device) -> None:
         """The capacity once the strategy is set up: DDP's first broadcast made NCCL's communicator buffers, which
