@@ -50,7 +50,6 @@ value. The first ``--warmup`` steps (the replay calibration, AdamW's lazy state)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -169,8 +168,7 @@ class _SameBatch(LightningDataModule):
 def set_variant(cb: ActivationCheckpointing, measuring: bool) -> None:
     """B: measure (and decide, with an auto-toggle) on every step; A: neither."""
     engine = cb._engine
-    engine.settings = dataclasses.replace(engine.settings, measure=measuring,
-                                          decide_every_n_steps=1 if measuring else 10**9)
+    engine.settings = engine.settings.replace(measure=measuring, decide_every_n_steps=1 if measuring else 10**9)
 
 
 class AlternateAndTime(Callback):

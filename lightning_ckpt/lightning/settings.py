@@ -182,6 +182,11 @@ class Settings:
     def __repr__(self) -> str:
         return "Settings(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in _declared()) + ")"
 
+    def replace(self, **changes: Any) -> "Settings":
+        """New settings with ``changes`` (validated again, as ``dataclasses.replace`` did when these were a
+        dataclass)."""
+        return Settings(**{**{name: getattr(self, name) for name in _declared()}, **changes})
+
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "ladder", tuple(self.ladder) if self.ladder is not None else DEFAULT_LADDER)

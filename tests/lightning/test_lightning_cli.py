@@ -172,3 +172,18 @@ def test_every_argument_is_declared_once_and_reaches_the_callback_and_each_strat
         assert "steps of calm before stepping down, and the minimum dwell after a switch. (type: int, default: 20)" \
             in text, flag
         assert "free the previous step's gradients" in text, flag
+
+
+def test_settings_replace_validates_the_changed_arguments_again():
+    """``Settings.replace`` (what ``dataclasses.replace`` did when they were a dataclass; benchmarks/overhead.py
+    toggles measurement with it): the other arguments kept, the new ones checked."""
+    from lightning_ckpt import ActivationCheckpointing
+
+    settings = ActivationCheckpointing(policy="every:2", cooldown=7).settings
+    changed = settings.replace(measure=False, decide_every_n_steps=10**9)
+    assert (changed.measure, changed.decide_every_n_steps, changed.cooldown) == (False, 10**9, 7)
+    assert changed.start.spec == "every:2" and settings.measure is True
+    with pytest.raises(ValueError, match="on_oom='retry' is not valid"):
+        settings.replace(on_oom="retry")
+    with pytest.raises(AttributeError, match="read-only"):
+        settings.measure = False
