@@ -129,6 +129,11 @@ class Options:
         raise NotImplementedError(f"{type(self).__name__} takes the options but does nothing with them.")
 
 
+# Python names the function in its own argument errors ("... got an unexpected keyword argument 'polcy'"): the
+# name users call it by
+Options.__init__.__qualname__ = "ActivationCheckpointing.__init__"
+
+
 def _declared(resolved: bool = False) -> Dict[str, inspect.Parameter]:
     """:class:`Options`' arguments, in order (``self`` left out); ``resolved``: annotations as types, not strings
     (for a signature read outside this module)."""

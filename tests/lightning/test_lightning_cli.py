@@ -187,3 +187,6 @@ def test_settings_replace_validates_the_changed_arguments_again():
         settings.replace(on_oom="retry")
     with pytest.raises(AttributeError, match="read-only"):
         settings.measure = False
+    # a misspelt argument is named as the user called it
+    with pytest.raises(TypeError, match=r"ActivationCheckpointing.__init__\(\) got an unexpected keyword argument"):
+        ActivationCheckpointing(polcy="all")
