@@ -63,13 +63,10 @@ def __dir__() -> list:
 
 
 def _register_strategies() -> None:
-    module = sys.modules.get("lightning_ckpt.lightning.strategy")
-    if module is not None and not hasattr(module, "register_strategies"):
-        return  # that module loaded Lightning on its way in: it registers them itself once it is done
     try:
-        from lightning_ckpt.lightning.strategy import register_strategies
-
-        register_strategies()
+        # the module registers them as it is imported; when its own import is what loaded Lightning, it is found
+        # half-built here and registers them once it is done
+        importlib.import_module("lightning_ckpt.lightning.strategy")
     except Exception as err:  # noqa: BLE001 - never break the user's import of Lightning
         warnings.warn(f"lightning_ckpt: could not register the *_ac strategies with Lightning ({err!r}); use the "
                       "ActivationCheckpointing callback, or import lightning_ckpt.lightning.strategy.", RuntimeWarning,

@@ -24,7 +24,7 @@ from lightning_ckpt.decide.controller import DEFAULT_LADDER, Controller, resolve
 from lightning_ckpt.decide.safety import STATEFUL_CHOICES
 from lightning_ckpt.decide.shapes import Shape, parse_shape
 
-__all__ = ["ON_OOM", "Options", "Settings", "options_help", "strategy_signature"]
+__all__ = ["ON_OOM", "OPTION_NAMES", "Options", "Settings", "options_help", "strategy_signature"]
 
 ON_OOM = ("raise", "escalate")
 
@@ -140,15 +140,19 @@ def _declared(resolved: bool = False) -> Dict[str, inspect.Parameter]:
     return dict(list(inspect.signature(Options.__init__, eval_str=resolved).parameters.items())[1:])
 
 
-def strategy_signature(strategy_init: Callable[..., Any]) -> inspect.Signature:
+def strategy_signature() -> inspect.Signature:
     """A strategy mixin's ``__init__`` signature: ``self, *args``, then every option as a keyword, then
-    ``**kwargs`` (what ``strategy_init`` passes on to the strategy)."""
+    ``**kwargs`` (what it passes on to the strategy)."""
     kind = inspect.Parameter
     return inspect.Signature(
         [kind("self", kind.POSITIONAL_OR_KEYWORD), kind("args", kind.VAR_POSITIONAL, annotation=Any),
          *(p.replace(kind=kind.KEYWORD_ONLY) for p in _declared(resolved=True).values()),
          kind("kwargs", kind.VAR_KEYWORD, annotation=Any)],
         return_annotation=None)
+
+
+OPTION_NAMES = tuple(_declared())
+""":class:`Options`' argument names, in order."""
 
 
 def options_help() -> str:
@@ -185,12 +189,12 @@ class Settings:
         raise FrozenInstanceError(f"cannot assign to field {name!r}: the settings are read-only")
 
     def __repr__(self) -> str:
-        return "Settings(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in _declared()) + ")"
+        return "Settings(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in OPTION_NAMES) + ")"
 
     def replace(self, **changes: Any) -> "Settings":
         """New settings with ``changes`` (validated again, as ``dataclasses.replace`` did when these were a
         dataclass)."""
-        return Settings(**{**{name: getattr(self, name) for name in _declared()}, **changes})
+        return Settings(**{**{name: getattr(self, name) for name in OPTION_NAMES}, **changes})
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

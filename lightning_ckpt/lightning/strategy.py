@@ -18,7 +18,6 @@ Registered names (see :func:`register_strategies`, run when Lightning is loaded 
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
@@ -28,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDevice
 from lightning_ckpt.core.policy import Policy
 from lightning_ckpt.core.wrap import CheckpointPlan
 from lightning_ckpt.lightning.conflicts import check_strategy
-from lightning_ckpt.lightning.settings import Options, options_help, strategy_signature
+from lightning_ckpt.lightning.settings import OPTION_NAMES, options_help, strategy_signature
 
 __all__ = [
     "LEGACY_CHECKPOINT_KEY",
@@ -97,11 +96,8 @@ class ActivationCheckpointingMixin:
         return checkpoint
 
 
-OPTION_NAMES = frozenset(list(inspect.signature(Options.__init__).parameters)[1:])
-"""The callback's arguments, which a strategy's ``__init__`` takes by keyword and hands to its callback."""
-
 # LightningCLI (jsonargparse), help() and inspect read the strategy's arguments from these: one declaration
-ActivationCheckpointingMixin.__init__.__signature__ = strategy_signature(ActivationCheckpointingMixin.__init__)
+ActivationCheckpointingMixin.__init__.__signature__ = strategy_signature()
 ActivationCheckpointingMixin.__init__.__doc__ = (
     "Build the strategy with activation checkpointing.\n\n" + options_help()
     + "\n    *args: passed on to the strategy.\n    **kwargs: passed on to the strategy.")
