@@ -273,13 +273,15 @@ def smallest_budget(costs: Sequence[BlockCost], base: Base = 0, modes: Sequence[
 
 def plan_budget(costs: Sequence[BlockCost], budget: int, base: Base = 0, modes: Sequence[str] = SOLVER_MODES,
                 max_states: int = 4096, strict: bool = False,
-                measured: Optional[Dict[Tuple[str, ...], int]] = None) -> BudgetPlan:
+                measured: Optional[Dict[Tuple[str, ...], int]] = None, tie: float = 0.0) -> BudgetPlan:
     """The fastest plan whose predicted peak fits ``budget``; among equally fast plans, the one that changes the
-    fewest blocks from ``off``, then the lowest peak.
+    fewest blocks from ``off``, then the fastest, then the lowest peak.
 
     Exact (see the module docstring); ``max_states`` bounds the frontier for very deep models, keeping the
     fastest states. ``measured`` maps plans (mode tuples) already run to their measured peaks: a measurement
-    beats the model, so those plans compete with their measured peak. When nothing fits, ``strict`` raises a
+    beats the model, so those plans compete with their measured peak. ``tie``: plans whose added seconds are
+    within this share of the fastest's count as equally fast (measured times are that noisy: the run-time choice
+    passes :data:`~lightning_ckpt.decide.choose.TIME_TIE`). When nothing fits, ``strict`` raises a
     ``ValueError`` naming the smallest feasible budget; otherwise the plan with the lowest peak is returned with
     ``fits=False``.
     """
@@ -304,10 +306,13 @@ def plan_budget(costs: Sequence[BlockCost], budget: int, base: Base = 0, modes: 
             raise ValueError(f"budget {format_bytes(budget)} cannot be met: the smallest feasible activation budget "
                              f"with modes {list(modes)} is {format_bytes(floor)}; pass at least that.")
         states = [min(_frontier(options, None, base, max_states), key=lambda s: (_peak(s[0], s[1], base), s[4]))]
-    # equal times: fewest blocks changed, then lowest peak (a mode measured as free is free within noise only)
-    prefix, transient, _, _, time, picks = min(states, key=lambda s: (s[4], sum(options[i][k].mode != "off"
-                                                                                for i, k in enumerate(s[5])),
-                                                                      _peak(s[0], s[1], base)))
+    # equal times: fewest blocks changed, then fastest, then lowest peak (a mode measured as free is free within
+    # noise only; a mix of more changed blocks predicted faster by less than the noise is not known to be faster)
+    fastest = min(s[4] for s in states)
+    tied = [s for s in states if s[4] <= fastest * (1 + tie)]
+    prefix, transient, _, _, time, picks = min(tied, key=lambda s: (sum(options[i][k].mode != "off"
+                                                                        for i, k in enumerate(s[5])),
+                                                                    s[4], _peak(s[0], s[1], base)))
     chosen = tuple(options[i][k] for i, k in enumerate(picks))
     peak = known.get(tuple(o.mode for o in chosen), _peak(prefix, transient, base))
     return BudgetPlan(tuple(o.mode for o in chosen), peak, time, peak <= budget, budget, floor,

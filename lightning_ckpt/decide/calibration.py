@@ -27,7 +27,7 @@ from lightning_ckpt.decide.budget import (
     predict_peak,
     run_eagerly,
 )
-from lightning_ckpt.decide.choose import BUDGET_MARGIN, CheckedChoice
+from lightning_ckpt.decide.choose import BUDGET_MARGIN, TIME_TIE, CheckedChoice
 
 __all__ = ["COMPILER_FRACTIONS", "BudgetCalibration"]
 
@@ -155,6 +155,11 @@ class BudgetCalibration:
         self.replay_bytes: Dict[str, List[Optional[int]]] = {m: [None] * n for m in self.modes}
         self.forward_seconds: Dict[str, List[List[float]]] = {m: [[] for _ in range(n)] for m in self.modes}
         self.mode_seconds: Dict[str, List[List[float]]] = {m: [[] for _ in range(n)] for m in self.modes}
+        # each block's whole backward (its replay and what the replay changes), per stage mode: the blocks in the
+        # mode, and the blocks off beside them in the same steps
+        self.backward_seconds: Dict[str, List[List[float]]] = {m: [[] for _ in range(n)] for m in self.modes}
+        self.backward_off: Dict[str, List[List[float]]] = {m: [[] for _ in range(n)] for m in self.modes}
+        self._backward_open: Dict[int, float] = {}  # block -> when its backward began (its output's gradient came)
         self.stage = 0  # < len(stages): calibration steps; == len(stages): first planned step (verify); then done
         self.chosen: "BudgetPlan | None" = None
         self.measured: "int | None" = None
@@ -375,10 +380,12 @@ class BudgetCalibration:
     # -- resume: everything measured, the stage reached and the chosen plan, as primitives
     _SAVED = ("stage", "interior", "boundary", "seconds", "kept", "replay_bytes", "forward_seconds", "mode_seconds",
               "measured", "block_seconds", "compiled_kept", "_unit", "_raised", "_verifications")
+    _SAVED_OPTIONAL = ("backward_seconds", "backward_off")  # absent from earlier saves: their replays price them
 
     def state_dict(self) -> Dict[str, object]:
         """What a resumed run needs to go on without calibrating again (lists, dicts, numbers and strings only)."""
-        state: Dict[str, object] = {name: copy.deepcopy(getattr(self, name)) for name in self._SAVED}
+        state: Dict[str, object] = {name: copy.deepcopy(getattr(self, name))
+                                    for name in (*self._SAVED, *self._SAVED_OPTIONAL)}
         state.update(
             stages=[[label, list(modes), kind] for label, modes, kind in self.stages],
             measured_plans=[[list(m), v] for m, v in self.measured_plans.items()],
@@ -408,6 +415,9 @@ class BudgetCalibration:
     def _load(self, state: Dict[str, object]) -> None:
         for name in self._SAVED:
             setattr(self, name, copy.deepcopy(state[name]))
+        for name in self._SAVED_OPTIONAL:
+            if name in state:
+                setattr(self, name, copy.deepcopy(state[name]))
         self.stages = [(label, tuple(modes), kind) for label, modes, kind in state["stages"]]
         self.measured_plans = {tuple(m): v for m, v in state["measured_plans"]}
         self._calibration_peaks = [(tuple(m), v) for m, v in state["calibration_peaks"]]
@@ -590,13 +600,13 @@ class BudgetCalibration:
     def _measurements(self) -> tuple:
         """What a stage writes, as it is before the stage (taken back if the stage runs out of memory)."""
         values = (self.interior, self.boundary, self.seconds, self.kept, self.replay_bytes, self.forward_seconds,
-                  self.mode_seconds, self._measured_off)
+                  self.mode_seconds, self.backward_seconds, self.backward_off, self._measured_off)
         return copy.deepcopy(values), dict(self._inputs)  # the captured inputs are tensors: not copied
 
     def _restore(self, snapshot: tuple) -> None:
         values, inputs = snapshot
         (self.interior, self.boundary, self.seconds, self.kept, self.replay_bytes, self.forward_seconds,
-         self.mode_seconds, self._measured_off) = copy.deepcopy(values)
+         self.mode_seconds, self.backward_seconds, self.backward_off, self._measured_off) = copy.deepcopy(values)
         self._inputs = dict(inputs)  # drops what the failed attempt captured (and the memory it holds)
 
     def _price_unmeasured_interiors(self) -> None:
@@ -721,9 +731,13 @@ class BudgetCalibration:
         forward, replay = self._shared(self.forward_seconds[mode], i), self._shared(self.mode_seconds[mode], i)
         if mode == "offload":  # the copies out in the forward, and back in the backward
             return None if forward is None else 2 * max(forward - off, 0.0)
+        forward_added = (forward if forward is not None else off) - off
+        backward, backward_off = self._shared(self.backward_seconds[mode], i), self._shared(self.backward_off[mode], i)
+        if backward is not None and backward_off is not None:
+            return max(forward_added + backward - backward_off, 0.0)
         if replay is None:
             return None
-        return max((forward if forward is not None else off) - off, 0.0) + replay
+        return max(forward_added, 0.0) + replay  # no backward timed (no input needs a gradient): the replay alone
 
     def _choose(self, budget: Optional[int] = None, apply: bool = True,
                 measured: Optional[Dict[Tuple[str, ...], int]] = None) -> None:
@@ -741,7 +755,7 @@ class BudgetCalibration:
                                  "above it ran out of memory on this device")
         if measured is None:
             measured = {p: v for p, v in self.measured_plans.items() if p not in self.unfit}
-        chosen = plan_budget(costs, max(budget, 0), base=base, modes=modes, measured=measured)
+        chosen = plan_budget(costs, max(budget, 0), base=base, modes=modes, measured=measured, tie=TIME_TIE)
         if self.unfit and (chosen.modes in self.unfit or not chosen.fits):  # nothing predicted fits: one that ran
             chosen = self._fallback(costs, max(budget, 0)) or chosen
         # the user's budget, and the smallest one that holds a plan with the margin left free
@@ -831,6 +845,8 @@ class BudgetCalibration:
                 return
             self.boundary[index] = max(self.boundary[index], sum(
                 a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
+            if self.calibrating and self.stages[self.stage][2] == "time":
+                self._time_backward(index, args, end=True)
             self.synchronize()
             self._open[index] = (time.perf_counter(), self._saved_activations(), self._live())
 
@@ -848,6 +864,7 @@ class BudgetCalibration:
             mode, kind = self.plan.modes[index], self.stages[self.stage][2] if self.calibrating else None
             if kind == "time":
                 (self.seconds if mode == "off" else self.forward_seconds[mode])[index].append(elapsed)
+                self._time_backward(index, output, end=False)
             elif kind == "bytes" and mode == "off":
                 self.interior[index] = self._saved_activations() - saved0
                 self._measured_off.add(index)
@@ -857,6 +874,36 @@ class BudgetCalibration:
                     + self.boundary[index]
 
         return hook
+
+    def _time_backward(self, index: int, tensors, end: bool) -> None:
+        """Time block ``index``'s whole backward on a time step: it begins when its output's gradient is ready and
+        ends when its input's is (a hook on each). That span holds the replay and everything the mode changes in
+        the backward: the replay alone priced a recompute ~60 % above what it adds to a step on the demo GPT (the
+        backward that follows a replay reads its fresh tensors faster) and a selective block below it."""
+        import time
+
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        first = next((t for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is None or first.grad_fn is None:  # a leaf's hooks outlive the step: its block goes untimed
+            return
+        stage_mode, mode = self.stages[self.stage][0], self.plan.modes[index]
+        if mode not in ("off", stage_mode) or stage_mode not in self.backward_seconds:
+            return
+        spans = "backward_off" if mode == "off" else "backward_seconds"
+
+        def begin(grad, index=index):
+            self.synchronize()
+            self._backward_open[index] = time.perf_counter()
+
+        def finish(grad, index=index, spans=spans, stage_mode=stage_mode):
+            start = self._backward_open.pop(index, None)
+            if start is not None:
+                self.synchronize()
+                getattr(self, spans)[stage_mode][index].append(time.perf_counter() - start)
+
+        first.register_hook(finish if end else begin)
 
     @staticmethod
     def _output_bytes(output) -> int:

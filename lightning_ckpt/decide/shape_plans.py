@@ -46,7 +46,7 @@ from lightning_ckpt.decide.budget import (
     run_eagerly,
     smallest_budget,
 )
-from lightning_ckpt.decide.choose import BUDGET_MARGIN, choose_checked
+from lightning_ckpt.decide.choose import BUDGET_MARGIN, TIME_TIE, choose_checked
 from lightning_ckpt.decide.pricing import ShapeCosts
 from lightning_ckpt.decide.shapes import Shape, bucket_of
 
@@ -348,7 +348,8 @@ class ShapePlanner:
         or measured here); its give-up rule otherwise. A plan that cannot be traced keeps the model's figure."""
 
         def choose(known: Dict[Tuple[str, ...], int]) -> Tuple[str, ...]:
-            return tuple(plan_budget(costs, self.target, base=base, modes=self.modes, measured=known).modes)
+            return tuple(plan_budget(costs, self.target, base=base, modes=self.modes, measured=known,
+                                     tie=TIME_TIE).modes)
 
         def check(modes: Tuple[str, ...]) -> Optional[int]:
             traced = self.traced(bucket, modes) if self._trace is not None else None
@@ -364,7 +365,7 @@ class ShapePlanner:
         modes, peak = choose_checked(choose, check, self.target, seconds, checked=known)
         if peak is not None:
             known[modes] = peak
-        chosen = plan_budget(costs, self.target, base=base, modes=self.modes, measured=known or None)
+        chosen = plan_budget(costs, self.target, base=base, modes=self.modes, measured=known or None, tie=TIME_TIE)
         if chosen.modes != modes:  # the give-up rule's plan: taken as it is
             chosen = dataclasses.replace(chosen, modes=modes, predicted_peak=peak, fits=peak <= self.target,
                                          recompute_s=seconds(modes))

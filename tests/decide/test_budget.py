@@ -1,4 +1,5 @@
 import itertools
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from lightning_ckpt.decide.budget import (
     smallest_budget,
 )
 from lightning_ckpt.decide.calibration import BudgetCalibration
+from lightning_ckpt.decide.choose import TIME_TIE
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
 from lightning_ckpt.measure.tracker import LiveBytes
 
@@ -634,3 +636,84 @@ def test_a_verifying_step_off_by_more_than_the_margin_is_corrected_and_the_corre
     chosen = calibration.chosen
     assert chosen.modes != first.modes  # the plan that read over the budget is never taken again
     assert tuple(plan.modes) == chosen.modes and calibration.measured == readings[chosen.modes] <= calibration.budget
+
+
+# ------------------------------------------------------------------------------ what a mode adds to a step's time
+
+
+class _SlowAfterOldTensors(torch.autograd.Function):
+    """Sleeps in its forward; its backward sleeps long unless its block was replayed since (the tensors it reads are
+    fresh): what a cache does to a backward that follows a replay, made large and certain."""
+
+    @staticmethod
+    def forward(ctx, x, owner):
+        ctx.owner, ctx.calls = owner, owner.calls
+        time.sleep(owner.forward_s)
+        out = x.clone()
+        ctx.save_for_backward(out)  # a replay runs this forward again to recreate it
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors  # noqa: B018 (a recomputed block replays here)
+        replayed = ctx.owner.calls > ctx.calls
+        time.sleep(ctx.owner.fresh_backward_s if replayed else ctx.owner.stale_backward_s)
+        return grad, None
+
+
+class _SleepyBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.calls, self.forward_s, self.stale_backward_s, self.fresh_backward_s = 0, 0.015, 0.030, 0.0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + _SlowAfterOldTensors.apply(torch.tanh(self.linear(x)), self)
+
+
+def test_a_mode_is_priced_by_what_it_adds_to_the_blocks_backward_not_by_its_replay_alone():
+    """A recompute replays a block's 15 ms forward, and the backward after it runs 30 ms faster (its tensors are
+    fresh): the mode adds nothing to a step. Priced by its replay alone, as it was, the calibration charged it
+    15 ms a block, and the budget took 'selective' blocks over fewer recomputed ones that were as fast (the demo
+    GPT's recompute priced +16.5 ms where the step read +10.2 ms). Each block's whole backward is timed now."""
+    from lightning_ckpt.measure.meter import StepMeter
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(_SleepyBlock(16) for _ in range(4))
+    plan, meter = apply_policy(model, "none", blocks=["layers"]), StepMeter("cpu", model=model)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+
+    def step(exact: bool) -> int:
+        with meter.step(exact=exact) as box:
+            h = x
+            for layer in model.layers:
+                h = layer(h)
+            h.sum().backward()
+        return int(box.reading.activations or 0)
+
+    calibration = BudgetCalibration(plan, meter, budget=2**62, modes=("recompute",))
+    calibration.run(step)
+    recompute = calibration.costs()[1].recompute_s
+    assert recompute < 0.0075, f"recompute priced at {recompute * 1e3:.1f} ms a block; it adds nothing to a step"
+    assert calibration.mode_seconds["recompute"][1], "the replay was timed too (the price when no backward is)"
+
+
+def test_plans_within_the_timing_noise_of_the_fastest_run_the_fewest_checkpointed_blocks():
+    """Two recomputed blocks (2 x 10 ms) against one recomputed and two selective (10 + 2 x 4.8 ms = 19.6 ms): the
+    mix is priced 2 % faster, within the noise of timed medians, so the run-time choice (``tie``) checkpoints the
+    fewer blocks; a mix clearly faster (2 x 3 ms) is still taken, and without ``tie`` the solver is exact."""
+    def costs(selective_s):
+        return [BlockCost(20 * MiB, 2 * MiB, recompute_s=0.010, selective_kept=12 * MiB,
+                          selective_s=selective_s)] * 4
+
+    budget = 46 * MiB  # two blocks recomputed fit; so does one recomputed with two selective
+    exact = plan_budget(costs(0.0048), budget)
+    assert sorted(exact.modes) == ["off", "recompute", "selective", "selective"]
+    assert exact.recompute_s == pytest.approx(0.0196)
+    tied = plan_budget(costs(0.0048), budget, tie=TIME_TIE)
+    assert tied.fits and sorted(tied.modes) == ["off", "off", "recompute", "recompute"]
+    clear = plan_budget(costs(0.003), budget, tie=TIME_TIE)
+    assert sorted(clear.modes) == ["off", "recompute", "selective", "selective"]
+    assert clear.recompute_s == pytest.approx(0.016)

@@ -47,6 +47,7 @@ from lightning_ckpt.core.units import MiB, format_bytes, parse_size
 from lightning_ckpt.core.wrap import apply_policy
 from lightning_ckpt.decide.budget import mode_mix, plan_budget, smallest_budget
 from lightning_ckpt.decide.calibration import COMPILER_FRACTIONS, BudgetCalibration
+from lightning_ckpt.decide.choose import TIME_TIE
 from lightning_ckpt.forecast.load import build_model, lightning_step, load_init_args, make_optimizers
 from lightning_ckpt.forecast.precision import parse_precision
 from lightning_ckpt.measure.meter import StepMeter
@@ -309,7 +310,7 @@ class _Runner:
 
 def _budget_point(plan, runner: _Runner, costs, base, budget: int, modes, measured, savings) -> FrontierPoint:
     """The plan at ``budget``, measured (its ``compiler:<f>`` blocks' ``savings`` taken off the eager figure)."""
-    chosen = plan_budget(costs, budget, base, modes, measured=measured)
+    chosen = plan_budget(costs, budget, base, modes, measured=measured, tie=TIME_TIE)
     point = FrontierPoint(f"budget {format_bytes(budget)}", chosen.modes, budget=budget,
                           predicted=chosen.predicted_peak)
     if not chosen.fits:
@@ -322,7 +323,7 @@ def _budget_point(plan, runner: _Runner, costs, base, budget: int, modes, measur
         if point.activations <= budget:
             break
         measured[tuple(point.modes)] = point.activations
-        again = plan_budget(costs, budget, base, modes, measured=measured)
+        again = plan_budget(costs, budget, base, modes, measured=measured, tie=TIME_TIE)
         if not again.fits or again.modes == tuple(point.modes):
             break
         plan.set_modes(again.modes)
