@@ -275,6 +275,18 @@ def paired(ours: Sequence[float], theirs: Sequence[float]) -> tuple:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
+def median_interval(ours: Sequence[float], theirs: Sequence[float], resamples: int = 2000, seed: int = 0
+                    ) -> Tuple[float, float]:
+    """The 95 % bootstrap interval of the median over rounds of ours / theirs (rounds resampled with replacement,
+    seeded): how far that median could move on another run of the same rounds on this machine."""
+    import random
+
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def measured_activations(runner: Runner) -> Optional[int]:
     """The last measured step's activation bytes of a runner (its callback's ``memory/activations_gib``)."""
     values = [a for a in runner.activations if a is not None]

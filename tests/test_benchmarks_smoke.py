@@ -170,6 +170,21 @@ def test_budget_benchmark_never_prints_a_miss_as_one():
         "2 off, 1 recompute"
 
 
+
+def test_a_miss_within_the_noise_is_still_a_miss_with_its_interval_beside_it():
+    """Rounds whose ratios straddle 1.00 give a median above it (a MISS) whose bootstrap interval holds 1.00: said
+    beside the MISS, which stays one; rounds all clearly above give an interval above 1.00 (a plain MISS)."""
+    budget, trainer = _benchmark("budget"), _benchmark("_trainer")
+    straddling = [1.03, 0.97, 1.02, 0.99, 1.04, 0.98, 1.01]
+    low, high = trainer.median_interval(straddling, [1.0] * len(straddling))
+    assert low < 1.0 < high
+    row = dict(verdict=budget.verdict(1.01), ratio_interval=(low, high))
+    assert row["verdict"] == "MISS 1.010" and budget.within_noise(row)
+    clear = trainer.median_interval([1.05, 1.06, 1.04, 1.07, 1.05], [1.0] * 5)
+    assert clear[0] > 1.0 and not budget.within_noise(dict(verdict="MISS 1.050", ratio_interval=clear))
+    assert not budget.within_noise(dict(verdict="PASS 0.990", ratio_interval=(0.95, 1.02)))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_trainer_runners_take_turns_one_step_at_a_time():
