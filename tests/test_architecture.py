@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import lightning_ckpt
+from lightning_ckpt.lightning.port import PlanPort
 
 PACKAGE = Path(lightning_ckpt.__file__).parent
 LAYERS = ("core", "measure", "decide", "forecast", "lightning")  # data flows from left to right
@@ -191,3 +192,16 @@ def test_no_function_of_the_lightning_layer_is_longer_than_60_lines():
                 if lines > 60:
                     long.append(f"{path.name}:{node.lineno} {node.name}: {lines} lines")
     assert not long, long
+
+
+@pytest.mark.parametrize("module", ["gate", "shaped"])
+def test_the_per_shape_features_reach_the_run_through_the_port_only(module):
+    """Issue 38: ``ShapeGate`` and ``ShapeSteps`` held the engine (``engine: Any``) and read its attributes (the
+    calibration, the controller, the last result, ...). They hold a ``PlanPort`` now: the plan, the one way to change
+    it, the model, the settings, the ranks, the capacity, the last ledger and messages to the user."""
+    tree = ast.parse((PACKAGE / "lightning" / f"{module}.py").read_text())
+    reached = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                      and isinstance(node.value, ast.Attribute) and node.value.attr == "port"})
+    offered = {name for name, value in vars(PlanPort).items() if not name.startswith("_")}
+    assert set(reached) <= offered, sorted(set(reached) - offered)
+    assert not [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "engine"]

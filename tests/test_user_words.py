@@ -37,9 +37,9 @@ def _attribute_docs(tree: ast.AST) -> set:
 
 def test_the_reports_shape_gate_names_each_buckets_policy():
     """The report's ``shape_gate`` said ``{"rung": "all", ...}`` per bucket."""
-    engine = SimpleNamespace(settings=SimpleNamespace(ladder=("none", "every:2", "all")))
+    port = SimpleNamespace(settings=SimpleNamespace(ladder=("none", "every:2", "all")))
     gate = ShapeGate.__new__(ShapeGate)
-    gate.engine, gate.threshold, gate._unit = engine, 1024, 1.0
+    gate.port, gate.threshold, gate._unit = port, 1024, 1.0
     gate.needed, gate.predicted = {(4, 256): 2, (4, 128): 1}, {(4, 256): 900, (4, 128): 700}
     buckets = gate.report()["buckets"]
     assert buckets == {str((4, 128)): {"policy": "every:2", "predicted_peak": 700},

@@ -66,6 +66,7 @@ from lightning_ckpt.lightning.metrics import (
     reduce_across_ranks,
     tensorboard_layout,
 )
+from lightning_ckpt.lightning.port import PlanPort
 from lightning_ckpt.lightning.ranks import HostGroup
 from lightning_ckpt.lightning.recovery import StepGuard, measured_remedies_of
 from lightning_ckpt.lightning.settings import Settings
@@ -127,6 +128,7 @@ class CheckpointingEngine:
         self._step_shape: Any = None
         self.phase = PhaseTracker()
         self.guard = StepGuard(self)
+        self.port = PlanPort(self)  # what the per-shape features reach of the run
         self.capacity: Optional[int] = settings.capacity_bytes
         self.last_metrics: Dict[str, float] = {}
         self.last_result: Optional[StepResult] = None  # the last *measured* step's (the report's), this fit
@@ -242,7 +244,7 @@ class CheckpointingEngine:
         if s.snapshot_on_oom and (self.snapshot is None or not self.snapshot.recording):  # each fit records
             self._start_snapshot(trainer)
         if self.controller is not None and self.calibration is None and s.per_shape:
-            self.gate = ShapeGate(self, self.controller.threshold)
+            self.gate = ShapeGate(self.port, self.controller, self.controller.threshold)
             self.gate.setup(trainer)
         if self.controller is not None:  # it decides on the reduced activation line: gathered on the host
             self.ranks.setup(trainer)
@@ -268,7 +270,8 @@ class CheckpointingEngine:
         self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
                                              modes=modes, block_caller=caller, compiler_fractions=fractions)
         if not one_graph and s.per_shape:  # one whole-model graph: one plan (lightning/shaped.py)
-            self.shapes = ShapeSteps(self, budget, (*modes, *[COMPILER_MODE] * bool(fractions)))
+            self.shapes = ShapeSteps(self.port, self.calibration, budget,
+                                     (*modes, *[COMPILER_MODE] * bool(fractions)))
             self.shapes.setup(trainer)
             self.calibration.predict = self.shapes.traced_at_calibration  # no stage predicted over the budget
             raised = room_for_plans(len(modes) + 1 + len(fractions)) if caller is not None else None

@@ -33,10 +33,13 @@ from lightning_ckpt.core.units import format_bytes
 from lightning_ckpt.decide.choose import choose_checked
 from lightning_ckpt.decide.pricing import PricingError
 from lightning_ckpt.decide.shapes import Shape, bucket_of
+from lightning_ckpt.lightning.port import PlanPort
 from lightning_ckpt.lightning.shaped import ShapeReader
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
+
+    from lightning_ckpt.decide.controller import Controller
 
 __all__ = ["ShapeGate"]
 
@@ -45,12 +48,15 @@ class ShapeGate(ShapeReader):
     """The lowest rung each bucket needs, and the rung each step runs on (see the module docstring).
 
     Args:
-        engine: the :class:`~lightning_ckpt.lightning.engine.CheckpointingEngine` that owns it.
+        port: what it may reach of the run (:class:`~lightning_ckpt.lightning.port.PlanPort`).
+        controller: the auto-toggle's :class:`~lightning_ckpt.decide.controller.Controller` (its rung is read, never
+            moved here).
         threshold: the auto-toggle's threshold in bytes.
     """
 
-    def __init__(self, engine: Any, threshold: int) -> None:
-        super().__init__(engine)
+    def __init__(self, port: PlanPort, controller: Controller, threshold: int) -> None:
+        super().__init__(port)
+        self.controller = controller
         self.threshold = threshold
         self.needed: Dict[Shape, int] = {}  # bucket -> lowest rung whose predicted peak is under the threshold
         self.predicted: Dict[Shape, int] = {}  # bucket -> that rung's predicted peak (bytes)
@@ -64,7 +70,7 @@ class ShapeGate(ShapeReader):
 
     def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
         """Put the micro-batch on ``max(controller's rung, its bucket's)`` (``first``: of an optimizer step)."""
-        controller = self.engine.controller
+        controller = self.controller
         shape, _ = self.read(trainer, batch, agree=False)  # this rank's own shape: no collective (module docstring)
         if first:
             self._shape, self.raised = shape, False
@@ -73,9 +79,9 @@ class ShapeGate(ShapeReader):
             self.home = bucket
         level = controller.level if bucket == self.home else max(controller.level, self._needed(bucket))
         self.raised = self.raised or level > controller.level
-        rung = self.engine.settings.ladder[level]
-        if self.engine.plan.spec != rung:
-            self.engine.change_plan(rung)
+        rung = self.port.settings.ladder[level]
+        if self.port.plan.spec != rung:
+            self.port.change_plan(rung)
 
     def out_of_memory(self, level: int) -> None:
         """The micro-batch in flight, raised above the controller's rung, ran out of memory there and is retried on
@@ -103,8 +109,8 @@ class ShapeGate(ShapeReader):
         """The budget's choose-check routine (:func:`~lightning_ckpt.decide.choose.choose_checked`) over the rungs:
         choose the lowest rung from the controller's up not traced over the threshold, trace it at the bucket's
         shape, choose again; when every rung reads over, the one with the lowest traced peak."""
-        ladder, unit = self.engine.settings.ladder, self.unit()
-        start = self.engine.controller.level
+        ladder, unit = self.port.settings.ladder, self.unit()
+        start = self.controller.level
 
         def choose(checked: Dict[int, int]) -> int:
             under = [level for level in range(start, len(ladder)) if checked.get(level, 0) <= self.threshold]
@@ -117,7 +123,7 @@ class ShapeGate(ShapeReader):
         self.needed[bucket], self.predicted[bucket] = level, peak
         if level > start or peak > self.threshold:
             fits = "" if peak <= self.threshold else " (over the threshold even there)"
-            self.engine.info(f"bucket {bucket}: at least policy {ladder[level]!r} before the step, "
+            self.port.info(f"bucket {bucket}: at least policy {ladder[level]!r} before the step, "
                              f"predicted activation peak {format_bytes(peak)} against the threshold "
                              f"{format_bytes(self.threshold)}{fits}")
 
@@ -125,7 +131,7 @@ class ShapeGate(ShapeReader):
         """A measured step of the controller's own rung: kept, to carry traced bytes into the device's units when a
         bucket is first gated (traced then, not now: a run of one shape never runs its step on fake tensors)."""
         if activations is not None and self._unit is None and self._shape is not None and not self.raised:
-            self._measured = (self._shape, self.engine.plan.spec, activations)
+            self._measured = (self._shape, self.port.plan.spec, activations)
 
     def unit(self) -> float:
         """Device bytes per traced byte: the first measured step's reading over its own trace (1 before one)."""
@@ -138,7 +144,7 @@ class ShapeGate(ShapeReader):
     def report(self) -> Dict[str, Any]:
         """Per bucket, the lowest policy the gate found and its predicted peak (the report's ``shape_gate``; files
         written before this version name the policy ``rung``, and nothing in the package reads them back)."""
-        ladder = self.engine.settings.ladder
+        ladder = self.port.settings.ladder
         return {"threshold": self.threshold, "unit": self._unit,
                 "buckets": {str(b): {"policy": ladder[level], "predicted_peak": self.predicted[b]}
                             for b, level in sorted(self.needed.items())}}

@@ -3,7 +3,7 @@
 The engine (:mod:`lightning_ckpt.lightning.engine`) owns one :class:`ShapeSteps` when the policy is a budget. Before
 every micro-batch's forward (``on_train_batch_start``) it reads the batch's bucket
 (:mod:`lightning_ckpt.decide.shapes`), agrees on it across ranks, and sets that bucket's plan
-(:class:`~lightning_ckpt.decide.shape_plans.ShapePlanner`), through the engine's one way of changing modes. Modes
+(:class:`~lightning_ckpt.decide.shape_plans.ShapePlanner`), through the port's one way of changing modes. Modes
 change between one micro-batch's backward and the next forward, so each micro-batch of an accumulation window may
 have its own plan.
 
@@ -53,9 +53,12 @@ from lightning_ckpt.decide.budget import BlockCost
 from lightning_ckpt.decide.pricing import PricingError, ShapeCosts, price_shape, trace_plans
 from lightning_ckpt.decide.shape_plans import BucketPlan, ShapePlanner
 from lightning_ckpt.decide.shapes import Shape, ambiguous_length, bucket_of, resize_batch, shape_of
+from lightning_ckpt.lightning.port import PlanPort
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
+
+    from lightning_ckpt.decide.calibration import BudgetCalibration
 
 __all__ = ["ShapeSteps", "model_max_length"]
 
@@ -98,8 +101,8 @@ class ShapeReader:
     fake tensors at any shape (the module's own ``training_step``, ``self.log`` silenced, under the precision's
     context)."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, port: PlanPort) -> None:
+        self.port = port
         # per number of lengths (an encoder-decoder's batches may read as one or two): this rank's longest batch and
         # its shape, resized to price a shape
         self._sources: Dict[int, Tuple[Any, Shape]] = {}
@@ -108,7 +111,7 @@ class ShapeReader:
     def read(self, trainer: "pl.Trainer", batch: Any, agree: bool = True) -> Tuple[Shape, Shape]:
         """The batch's shape on this rank and the step's (with ``agree``, the maximum over the ranks: one all-reduce
         under several processes); keeps this rank's longest batch to resize."""
-        shape_fn = self.engine.settings.shape_fn
+        shape_fn = self.port.settings.shape_fn
         local = shape_of(batch, shape_fn)
         if shape_fn is None and not self._warned_ambiguous and ambiguous_length(batch):
             self._warned_ambiguous = True
@@ -126,7 +129,7 @@ class ShapeReader:
     def _fake_args(self, shape: Shape) -> tuple:
         """What a step on fake tensors at ``shape`` runs: the module, its plan, the loss, a batch of that shape, and
         the precision's context."""
-        module = self.engine.module
+        module = self.port.module
         source_of = self._sources.get(len(shape.lengths))
         if source_of is None:
             raise PricingError(f"no batch with {len(shape.lengths)} length(s) seen yet to make one of shape {shape}")
@@ -136,7 +139,7 @@ class ShapeReader:
             with _silenced_logging(module):
                 return _loss_of(module.training_step(b, 0))
 
-        return (module, self.engine.plan, loss_fn, resize_batch(batch, source, shape),
+        return (module, self.port.plan, loss_fn, resize_batch(batch, source, shape),
                 module.trainer.strategy.precision_plugin.train_step_context)
 
     def trace(self, shape: Shape, plans) -> List[int]:
@@ -152,7 +155,7 @@ class ShapeReader:
         import torch.distributed as dist
 
         dims = torch.tensor([shape.samples, *shape.lengths], dtype=torch.int64)
-        dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=self.engine.ranks.group)
+        dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=self.port.ranks.group)
         values = [int(v) for v in dims.tolist()]
         return Shape(values[0], tuple(values[1:]))
 
@@ -160,12 +163,12 @@ class ShapeReader:
         import torch.distributed as dist
 
         box = [list(modes)]
-        dist.broadcast_object_list(box, src=0, group=self.engine.ranks.group)
+        dist.broadcast_object_list(box, src=0, group=self.port.ranks.group)
         return tuple(box[0])
 
     def setup(self, trainer: "pl.Trainer") -> None:
         """Before the first step, on every rank at once: the CPU process group the agreement uses."""
-        self.engine.ranks.setup(trainer)
+        self.port.ranks.setup(trainer)
 
     def close(self) -> None:
         self._sources = {}
@@ -175,13 +178,15 @@ class ShapeSteps(ShapeReader):
     """The per-shape plans of one run (see the module docstring).
 
     Args:
-        engine: the :class:`~lightning_ckpt.lightning.engine.CheckpointingEngine` that owns it.
+        port: what it may reach of the run (:class:`~lightning_ckpt.lightning.port.PlanPort`).
+        calibration: the run's :class:`~lightning_ckpt.decide.calibration.BudgetCalibration`.
         budget: the activation budget in bytes.
         modes: the modes the plan may mix with ``off``.
     """
 
-    def __init__(self, engine: Any, budget: int, modes: Tuple[str, ...]) -> None:
-        super().__init__(engine)
+    def __init__(self, port: PlanPort, calibration: BudgetCalibration, budget: int, modes: Tuple[str, ...]) -> None:
+        super().__init__(port)
+        self.calibration = calibration
         self.budget = budget
         self.modes = tuple(m for m in modes if m != "offload")  # offload moves bytes off the device: not priced
         self.planner = ShapePlanner(budget, self.modes, self._price, self._trace)
@@ -244,7 +249,7 @@ class ShapeSteps(ShapeReader):
 
     def _price_scaled(self, bucket: Shape) -> ShapeCosts:
         """No fake trace: the calibration's bytes times the token ratio, squared above its shape (pessimistic)."""
-        measured = self.engine.calibration
+        measured = self.calibration
         if measured is None or not measured.done or self.calibration_shape is None:
             raise PricingError(self._fallback or "nothing measured yet")
         ratio = bucket.tokens / self.calibration_shape.tokens
@@ -275,7 +280,7 @@ class ShapeSteps(ShapeReader):
         if not self._checked:
             self._checked = True
             self._check_longest(trainer, shape, bucket)
-        calibration = self.engine.calibration
+        calibration = self.calibration
         if self.calibration_shape is None:
             self.calibration_shape = shape
         if not calibration.done:
@@ -291,7 +296,7 @@ class ShapeSteps(ShapeReader):
         verifying step) and is measured; one of another shape runs its bucket's plan, unmeasured, and makes the
         step mixed (the stage's blocks are still measured on its own micro-batches, so accumulation windows of
         mixed lengths calibrate too). A step with no micro-batch of the calibration's shape is no stage."""
-        calibration = self.engine.calibration
+        calibration = self.calibration
         if first:
             self._stage_begun = self._discarded = False
         if shape == self.calibration_shape:
@@ -302,8 +307,8 @@ class ShapeSteps(ShapeReader):
                     calibration.other_shape()
             elif not calibration.failed:  # a micro-batch of another shape ran in between: the stage's plan again
                 expected = calibration.stage_modes or (calibration.chosen.modes if calibration.chosen else None)
-                if expected is not None and self.engine.plan.modes != tuple(expected):
-                    self.engine.set_modes(tuple(expected))
+                if expected is not None and self.port.plan.modes != tuple(expected):
+                    self.port.set_modes(tuple(expected))
             calibration.measuring = not calibration.failed
             return
         if self._stage_begun:
@@ -314,7 +319,7 @@ class ShapeSteps(ShapeReader):
         self._apply(self._plan(trainer, bucket))
 
     def _cap(self, shape: Shape) -> Optional[Shape]:
-        cap = self.engine.settings.shape_cap
+        cap = self.port.settings.shape_cap
         if cap is None:
             length = self._model_max_length()
             if self.longest is not None and len(shape.lengths) == 1 and shape.samples <= self.longest.samples:
@@ -325,7 +330,7 @@ class ShapeSteps(ShapeReader):
     def _model_max_length(self) -> Optional[int]:
         """The model's maximum positions, read from its modules once (every step asks)."""
         if self._max_length is _UNREAD:
-            module = self.engine.module
+            module = self.port.module
             self._max_length = model_max_length(module) if module is not None else None
         return self._max_length
 
@@ -333,8 +338,8 @@ class ShapeSteps(ShapeReader):
         """Before the first step (module docstring): an explicit ``max_shape`` no plan meets fails now; without one,
         the longest length the budget holds at this micro-batch is found on fake tensors and reported, and becomes
         the bucket cap (a batch up to it runs a plan made for its own length, not the next power of two's)."""
-        explicit = self.engine.settings.shape_cap
-        target = self.engine.calibration.target if self.engine.calibration is not None else self.budget
+        explicit = self.port.settings.shape_cap
+        target = self.calibration.target if self.calibration is not None else self.budget
         if explicit is not None:
             if len(explicit.lengths) != len(shape.lengths) or not explicit.covers(bucket):
                 return
@@ -343,7 +348,7 @@ class ShapeSteps(ShapeReader):
                 raise ValueError(
                     f"lightning_ckpt: raise the budget to at least {format_bytes(self._with_margin(floor))}, pass a "
                     f"shorter max_shape (the longest batch your data has) or a smaller micro-batch: policy "
-                    f"{self.engine.settings.budget.spec!r} cannot be met at max_shape={str(explicit)!r} "
+                    f"{self.port.settings.budget.spec!r} cannot be met at max_shape={str(explicit)!r} "
                     f"(micro-batch x length), where the smallest feasible activation budget is "
                     f"{format_bytes(self._with_margin(floor))}.")
             return
@@ -354,14 +359,14 @@ class ShapeSteps(ShapeReader):
             return
         self.longest = longest
         if longest is not None and plan is not None:
-            self.engine.info(f"budget {format_bytes(self.budget)} holds micro-batch {longest.samples} up to "
+            self.port.info(f"budget {format_bytes(self.budget)} holds micro-batch {longest.samples} up to "
                              f"{longest.lengths[0]:,} tokens ({_mix(plan.modes)}, predicted activation peak "
                              f"{format_bytes(plan.predicted_peak)}); found on fake tensors in "
                              f"{time.perf_counter() - start:.1f} s")
 
     def _with_margin(self, floor: int) -> int:
         """The budget that holds a plan of ``floor`` bytes with the margin left free."""
-        margin = self.engine.calibration.margin if self.engine.calibration is not None else 0.0
+        margin = self.calibration.margin if self.calibration is not None else 0.0
         return math.ceil(floor / (1 - margin))
 
     def _smallest(self, bucket: Shape) -> Optional[int]:
@@ -377,7 +382,7 @@ class ShapeSteps(ShapeReader):
         try:
             plan = self.planner.plan(bucket)
         except PricingError:  # nothing to price it with yet: every block recomputed
-            plan = BucketPlan(bucket, ("recompute",) * self.engine.plan.num_blocks, 0, False, 0, "unpriced")
+            plan = BucketPlan(bucket, ("recompute",) * self.port.plan.num_blocks, 0, False, 0, "unpriced")
             self.planner.plans[bucket] = plan
         if new and trainer.world_size > 1:
             plan.modes = self._broadcast(plan.modes)
@@ -387,20 +392,19 @@ class ShapeSteps(ShapeReader):
 
             rank_zero_warn(f"lightning_ckpt: raise the budget to at least {format_bytes(plan.smallest_budget)}, or "
                            f"shorten batches of shape {bucket} (micro-batch x length): no plan meets "
-                           f"{self.engine.settings.budget.spec!r} there, so they run under the plan with the lowest "
+                           f"{self.port.settings.budget.spec!r} there, so they run under the plan with the lowest "
                            f"predicted activation peak, {format_bytes(plan.predicted_peak)}.")
         if new:
             self._write_text(trainer, bucket, plan)
             again = "" if old is None else (f" (chosen again: a step read {format_bytes(old.measured_peak or 0)}, its "
                                             "plan is now predicted over the budget)")
-            self.engine.info(f"bucket {bucket}: {_describe(plan)}{again}")
+            self.port.info(f"bucket {bucket}: {_describe(plan)}{again}")
         return plan
 
     def _refuse_over_capacity(self, bucket: Shape, plan: BucketPlan) -> None:
         """A batch no plan fits, whose lowest plan is predicted past the device's memory with the model's state
         (parameters, gradients, optimizer state of the last measured step): it stops here, before its forward."""
-        capacity, result = self.engine.capacity, self.engine.last_result
-        ledger = getattr(result, "ledger", None) if result is not None else None
+        capacity, ledger = self.port.capacity, self.port.last_ledger
         if capacity is None or ledger is None:
             return
         state = ledger.params + ledger.grads + ledger.optimizer + ledger.master
@@ -430,15 +434,15 @@ class ShapeSteps(ShapeReader):
         self._apply_modes(plan.modes, plan.bucket, f"predicted activation peak {format_bytes(plan.predicted_peak)}")
 
     def _apply_modes(self, modes: Tuple[str, ...], bucket: Shape, why: str) -> None:
-        if self.engine.plan.modes != modes:
-            self.engine.set_modes(modes)
-        self.engine.plan.context = (f"planned per batch shape ({RULE}): bucket {bucket}, {why}, budget "
+        if self.port.plan.modes != modes:
+            self.port.set_modes(modes)
+        self.port.plan.context = (f"planned per batch shape ({RULE}): bucket {bucket}, {why}, budget "
                                     f"{format_bytes(self.budget)}")
 
     # ------------------------------------------------------------------------------------------ the step's end
     def calibration_done(self) -> None:
         """The calibration chose and verified its plan: it becomes the reference of the memory model."""
-        calibration = self.engine.calibration
+        calibration = self.calibration
         self.planner.set_reference(self.calibration_shape, calibration.costs(), calibration.base,
                                    calibration.chosen, measured=dict(calibration.measured_plans),
                                    measured_peak=calibration.measured)
@@ -446,7 +450,7 @@ class ShapeSteps(ShapeReader):
     def compiled_savings(self, modes: Sequence[str]) -> Optional[int]:
         """What the ``compiler:<f>`` blocks of ``modes`` save at the step's shape (its largest bucket's corner when
         micro-batches of several shapes ran): ``None`` before the calibration is done, when its own apply."""
-        if not self.engine.calibration.done or not self._step_buckets or self.planner.reference is None:
+        if not self.calibration.done or not self._step_buckets or self.planner.reference is None:
             return None
         bucket = max(self._step_buckets, key=lambda b: b.tokens)
         shape = next(iter(self._step_shapes)) if len(self._step_shapes) == 1 else None
@@ -455,7 +459,7 @@ class ShapeSteps(ShapeReader):
     def after_step(self, activations: Optional[int], step_s: Optional[float], tokens_per_sec: Optional[float],
                    metrics: Dict[str, float], key) -> None:
         """A step ended: count it in its bucket and, measured, check the bucket's prediction."""
-        calibration = self.engine.calibration
+        calibration = self.calibration
         bucket = max(self._step_buckets, key=lambda b: b.tokens) if self._step_buckets else None
         if bucket is None or not calibration.done:
             return
@@ -464,12 +468,12 @@ class ShapeSteps(ShapeReader):
         shape = next(iter(self._step_shapes)) if self._step_shapes else None
         if not mixed and shape == self.calibration_shape and shape in self.planner.plans:
             bucket = shape  # the calibration's own shape: its plan is checked where it is kept
-        error = self.planner.observe(bucket, self.engine.plan.modes, None if mixed else activations, step_s,
+        error = self.planner.observe(bucket, self.port.plan.modes, None if mixed else activations, step_s,
                                      tokens_per_sec, shape=None if mixed else shape)
         metrics[key("shape/samples")] = float(bucket.samples)
         if bucket.lengths:
             metrics[key("shape/length")] = float(bucket.lengths[0])
-        modes = self.engine.plan.modes
+        modes = self.port.plan.modes
         for mode in ("off", "selective", "recompute"):  # the step's plan, as a mix
             metrics[key(f"shape/blocks_{mode}")] = float(modes.count(mode))
         if error is not None:
@@ -495,7 +499,7 @@ class ShapeSteps(ShapeReader):
         self.calibration_shape, self.longest = shape(state["calibration_shape"]), shape(state["longest"])
         self.pricing_s = float(state.get("pricing_s", 0.0))
         self._checked = self.calibration_shape is not None  # the longest length was found (and said) already
-        if self.engine.calibration.done and self.calibration_shape is not None:
+        if self.calibration.done and self.calibration_shape is not None:
             self.calibration_done()
             self.planner.load_state_dict(state["planner"])
 
@@ -505,7 +509,7 @@ class ShapeSteps(ShapeReader):
         if not self.cache:
             return None
         first, top = self.cache[0], max(self.cache)
-        capacity = self.engine.capacity
+        capacity = self.port.capacity
         grew = top - first > max(CACHE_GROWTH * (capacity or 0), 256 * 2**20)
         advice = (f"The allocator's cache grew from {format_bytes(first)} to {format_bytes(top)} while batch shapes "
                   "varied: that is fragmentation, memory reserved but not usable for the next shape. Set "
