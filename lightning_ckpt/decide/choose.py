@@ -37,9 +37,9 @@ A step that reads above its prediction by more than this share of the budget cor
 step."""
 TIME_TIE = 0.05
 """Plans predicted to add within this share of the fastest plan's seconds count as equally fast, and the one that
-checkpoints the fewest blocks is run. A block's price per mode is a median of hook-timed spans on a step that others
-share the machine with; on the demo GPT (6 × 256, CPU) a mix of five checkpointed blocks the calibration priced 1 %
-faster than three recomputed ones ran 1–3 % slower than them in every benchmark run."""
+checkpoints the fewest blocks is run. A block's price per mode is a median of hook-timed spans on steps that others
+share the machine with; on the demo GPT (6 × 256, CPU) two recomputed and three selective blocks were priced within
+1 % of three recomputed ones, and ran 1–3 % slower than them in both benchmark runs that chose the mix."""
 MAX_CHECKS = 4
 """Checks (traces, or measured steps) a choice may take before the give-up rule settles it."""
 
