@@ -889,7 +889,7 @@ class BudgetCalibration:
         if first is None or first.grad_fn is None:  # a leaf's hooks outlive the step: its block goes untimed
             return
         stage_mode, mode = self.stages[self.stage][0], self.plan.modes[index]
-        if mode not in ("off", stage_mode) or stage_mode not in self.backward_seconds:
+        if mode not in ("off", stage_mode):  # a stronger stage's recomputed blocks price no mode of the stage
             return
         spans = "backward_off" if mode == "off" else "backward_seconds"
 
