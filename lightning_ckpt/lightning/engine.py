@@ -71,7 +71,6 @@ from lightning_ckpt.lightning.ranks import HostGroup
 from lightning_ckpt.lightning.recovery import StepGuard, measured_remedies_of
 from lightning_ckpt.lightning.settings import Settings
 from lightning_ckpt.lightning.shaped import ShapeSteps
-from lightning_ckpt.lightning.snapshot import DEFAULT_MAX_ENTRIES, OOMSnapshot
 from lightning_ckpt.measure.ledger import state_tensors
 from lightning_ckpt.measure.meter import device_capacity
 from lightning_ckpt.measure.monitor import StepMonitor, StepResult
@@ -124,11 +123,10 @@ class CheckpointingEngine:
         self.ranks = HostGroup()  # runs that agree between steps: a gloo group, so agreeing never waits for the device
         self._restore_dynamo: Optional[Any] = None  # puts dynamo's recompile limit back (room_for_plans)
         self.last_attribution: Optional[Dict[str, Any]] = None  # the last reference step's peaks, named
-        self.snapshot: Optional[OOMSnapshot] = None  # snapshot_on_oom: the allocator's record
         self._step_shape: Any = None
         self.phase = PhaseTracker()
-        self.guard = StepGuard(self)
-        self.port = PlanPort(self)  # what the per-shape features reach of the run
+        self.port = PlanPort(self)  # what the features (per-shape plans and gate, the guard) reach of the run
+        self.guard = StepGuard(self.port, self.phase)  # out-of-memory errors, with snapshot_on_oom's record
         self.capacity: Optional[int] = settings.capacity_bytes
         self.last_metrics: Dict[str, float] = {}
         self.last_result: Optional[StepResult] = None  # the last *measured* step's (the report's), this fit
@@ -147,7 +145,7 @@ class CheckpointingEngine:
         # per plan (modes): sequence length -> activation bytes per sample, for the report's reading of how they grow
         # (one plan's lengths only: with per-shape plans a longer batch runs a stronger plan)
         self._by_length: Dict[tuple, Dict[int, float]] = {}
-        self._batch_shape: Optional[tuple] = None
+        self.batch_shape: Optional[tuple] = None
 
     # ------------------------------------------------------------------------------------------ describing
     @property
@@ -222,7 +220,6 @@ class CheckpointingEngine:
         if self.plan is None:  # the strategy's setup was bypassed: apply now
             self.apply(trainer)
         s = self.settings
-        self.guard.configure(trainer)
         self.last_result = self.last_attribution = self._last_step = None  # each fit reports its own steps
         self._owed = []
         device = trainer.strategy.root_device
@@ -241,13 +238,14 @@ class CheckpointingEngine:
             self._handles.append(self.plan.blocks[0].register_forward_pre_hook(lambda *_: self.phase.forward_start()))
         if s.budget is not None:
             self._start_budget(trainer, pl_module, device)
-        if s.snapshot_on_oom and (self.snapshot is None or not self.snapshot.recording):  # each fit records
-            self._start_snapshot(trainer)
+        if s.snapshot_on_oom:
+            self.guard.record(trainer)
         if self.controller is not None and self.calibration is None and s.per_shape:
             self.gate = ShapeGate(self.port, self.controller, self.controller.threshold)
             self.gate.setup(trainer)
         if self.controller is not None:  # it decides on the reduced activation line: gathered on the host
             self.ranks.setup(trainer)
+        self.guard.configure(trainer, self.calibration, self.controller, self.gate)
         self._check_compiler_modes(pl_module)
         if s.measure:
             self._prepare_loggers(trainer)
@@ -314,18 +312,6 @@ class CheckpointingEngine:
         if self.controller is not None:
             self.controller.threshold = resolve_threshold(self.settings.auto_threshold, capacity)
 
-    def _start_snapshot(self, trainer: "pl.Trainer") -> None:
-        """``snapshot_on_oom``: record the allocator's history from now on (CUDA; a warning elsewhere)."""
-        entries = DEFAULT_MAX_ENTRIES if self.settings.snapshot_on_oom is True else int(self.settings.snapshot_on_oom)
-        folder = trainer.log_dir or trainer.default_root_dir  # every rank: log_dir is a collective under DDP
-        self.snapshot = OOMSnapshot(folder, trainer.global_rank, entries)
-        why_not = self.snapshot.start()  # no CUDA, or an allocator backend that cannot record
-        if why_not is not None:
-            self.snapshot = None
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-            rank_zero_warn(why_not)
-
     def _check_compiler_modes(self, pl_module: "pl.LightningModule") -> None:
         """``compiler:<f>`` blocks in a fixed plan: refused inside one whole-model graph (PyTorch takes one budget
         per graph, covering all of it, and fails at the first compile); a warning when the blocks run eagerly."""
@@ -389,7 +375,7 @@ class CheckpointingEngine:
             return
         size = None  # a later micro-batch's size, for a measured step
         if not self.monitor.in_step:
-            self._batch_shape = (sequence_length(batch), count_samples(batch))
+            self.batch_shape = (sequence_length(batch), count_samples(batch))
             calibrating = self.calibration is not None and not self.calibration.done
             if self.shapes is not None:  # the bucket's plan; the calibration's stage on its own bucket
                 self.shapes.before_micro_batch(trainer, batch, first=True)
@@ -427,8 +413,8 @@ class CheckpointingEngine:
         of lengths when it is the step's largest yet (the step's activation peak is that micro-batch's)."""
         size = shape_of(batch, self.settings.shape_fn).tokens
         length, samples = sequence_length(batch), count_samples(batch)
-        if length and samples and length * samples > math.prod(v or 0 for v in self._batch_shape or (0,)):
-            self._batch_shape = (length, samples)
+        if length and samples and length * samples > math.prod(v or 0 for v in self.batch_shape or (0,)):
+            self.batch_shape = (length, samples)
         return size
 
     def _step_key(self, trainer: "pl.Trainer", batch: Any) -> tuple:
@@ -608,7 +594,7 @@ class CheckpointingEngine:
         return dataclasses.replace(result, ledger=result.ledger.with_activations(result.ledger.activations - savings))
 
     def _note_length(self, result: StepResult) -> None:
-        length, samples = self._batch_shape or (None, 0)
+        length, samples = self.batch_shape or (None, 0)
         if length and samples and result.ledger.activations:
             per_sample = result.ledger.activations / samples
             lengths = self._by_length.setdefault(self.plan.modes if self.plan is not None else (), {})
@@ -682,7 +668,7 @@ class CheckpointingEngine:
         data = ledger_report(self.last_result.ledger, plan.spec if plan else "none", self.settings.ladder,
                              history={"activations_vs_seq_len": reading} if reading else None,
                              all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks),
-                             remedies=measured_remedies_of(self))
+                             remedies=measured_remedies_of(self.port))
         chosen = self.calibration.chosen if self.calibration is not None else None
         if chosen is not None:
             data["budget_plan"] = {
@@ -765,8 +751,7 @@ class CheckpointingEngine:
             if per_shape is not None:
                 per_shape.close()
         self.ranks.close()
-        if self.snapshot is not None:  # recording stops with the run (its snapshot stays named; the next fit records)
-            self.snapshot.stop()
+        self.guard.close()
         if self._restore_dynamo is not None:  # dynamo's cache limit as the user had it
             self._restore_dynamo()
             self._restore_dynamo = None

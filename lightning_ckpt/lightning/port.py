@@ -1,15 +1,16 @@
 """The narrow port a feature reaches the run through: :class:`PlanPort`.
 
-A feature (the per-shape plans, the auto-toggle's gate per batch shape) needs a few things of the run: the plan and
-the one way to change it, with its safety check; the model; the settings; the ranks' group; the device's capacity;
-the model state of the last measured step; and a way to tell the user something. It gets exactly those, through
-this port, and never the engine that owns them: a feature cannot widen the engine's hooks or read its bookkeeping,
-and a test can hand it a port of its own.
+A feature (the per-shape plans, the auto-toggle's gate per batch shape, the out-of-memory guard) needs a few things
+of the run: the plan and the one way to change it, with its safety check; the model; the settings; the ranks' group;
+the device's capacity; what the last measured step read (its ledger, its figures, its batch's shape, its peak's
+tensors); a way to start the open step's measurement over; and a way to tell the user something. It gets exactly
+those, through this port, and never the engine that owns them: a feature cannot widen the engine's hooks or read its
+bookkeeping, and a test can hand it a port of its own.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_ckpt.core.policy import Policy
@@ -62,6 +63,33 @@ class PlanPort:
         """The memory ledger of the last measured step (``None`` before one)."""
         result = self._engine.last_result
         return getattr(result, "ledger", None) if result is not None else None
+
+    @property
+    def on_accelerator(self) -> bool:
+        """Whether the model trains on an accelerator (offloading to the host counts as saving memory there only)."""
+        return self._engine.on_accelerator
+
+    @property
+    def last_metrics(self) -> Dict[str, float]:
+        """The figures of the last measured step, as logged (reduced across ranks where they were)."""
+        return self._engine.last_metrics
+
+    @property
+    def batch_shape(self) -> "Optional[Tuple[Optional[int], int]]":
+        """(sequence length, samples) of the open step's largest micro-batch, where the batch says."""
+        return self._engine.batch_shape
+
+    def peak_anatomy(self) -> Optional[Dict[str, Any]]:
+        """What the last reference step's activation peak held (the report's ``peak`` section); ``None`` before one."""
+        engine = self._engine
+        if engine.last_attribution is None:
+            return None
+        module = engine.module
+        return engine.peak_anatomy(module.trainer if module is not None else None)
+
+    def restart_step(self) -> None:
+        """Measure the open step again from now, under the plan it now runs (a retry after an out-of-memory error)."""
+        self._engine.restart_step()
 
     def set_modes(self, modes: Sequence[str]) -> None:
         """Put the blocks in ``modes``, with the plan's safety check (the one way a feature changes modes)."""

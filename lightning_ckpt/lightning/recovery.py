@@ -29,10 +29,10 @@ What an escalated retry guarantees (``on_oom="escalate"``, one process):
 - the failed attempt is gone before the retry starts: every traceback of the error's chain (``__cause__``,
   ``__context__``, exception groups) is cleared with its frames (:func:`release_failed_attempt`), so the tensors
   those frames held are freed before ``gc.collect()`` and ``torch.cuda.empty_cache()`` run; then the step's
-  measurement starts over under the new plan (:meth:`~lightning_ckpt.lightning.engine.CheckpointingEngine.restart_step`:
+  measurement starts over under the new plan (:meth:`~lightning_ckpt.lightning.port.PlanPort.restart_step`:
   the retry's peaks, phases and reference key, nothing of the failed attempt); a retry that succeeds forgets the
-  failed attempt's allocator snapshot (:mod:`lightning_ckpt.lightning.snapshot`), so that a later error is not
-  described by it;
+  failed attempt's allocator snapshot (:mod:`lightning_ckpt.lightning.snapshot`, which the guard records with
+  ``snapshot_on_oom``), so that a later error is not described by it;
 - the retry is inside the closure the precision plugin calls once: with ``16-mixed`` (a ``GradScaler``) the
   gradients are unscaled, and the optimizer stepped, once per optimizer step. An error after the closure (the
   optimizer step, gradient clipping) is diagnosed, never retried: the closure would run, and unscale, twice.
@@ -47,6 +47,11 @@ optimizer itself.
 A ``budget:`` policy's calibration retries its own out-of-memory steps whatever ``on_oom`` says (one process): the
 calibration chose that plan, not the user. The stage is recorded as not fitting and the step is retried one rung up
 without being recorded as any stage (:meth:`lightning_ckpt.decide.calibration.BudgetCalibration.out_of_memory`).
+
+The guard reaches the run through its :class:`~lightning_ckpt.lightning.port.PlanPort` (the plan and the one way to
+change it, the last step's figures, a restart of the step's measurement) and hears of the features an out-of-memory
+error concerns (the budget's calibration, the auto-toggle's controller and its per-shape gate) at fit start
+(:meth:`StepGuard.configure`): it never holds the engine.
 
 Several processes (DDP, FSDP): a retry on one rank would meet its peers inside a collective of another step, so
 the rank stops with the diagnosis and publishes it in the process group's store; its peers stop when their
@@ -68,6 +73,7 @@ from torch.utils.checkpoint import CheckpointError
 from lightning_ckpt.decide.diagnosis import (
     EVALUATION_PHASES,
     OutOfMemoryDiagnosis,
+    PhaseTracker,
     diagnose,
     is_out_of_memory,
     raised_in_compiled_code,
@@ -75,13 +81,14 @@ from lightning_ckpt.decide.diagnosis import (
 from lightning_ckpt.decide.escalation import stronger, stronger_rungs
 from lightning_ckpt.forecast.measured import measured_remedies, oom_sentence, run_facts, state_to_come
 from lightning_ckpt.forecast.remedies import RunFacts
+from lightning_ckpt.lightning.snapshot import DEFAULT_MAX_ENTRIES, OOMSnapshot
 from lightning_ckpt.measure.ledger import Ledger, model_state_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_ckpt.lightning.engine import CheckpointingEngine
+    from lightning_ckpt.lightning.port import PlanPort
 
-__all__ = ["DEVICE_RNG", "CudaGenerators", "GradientJournal", "RandomState", "StepGuard", "engine_facts",
-           "measured_remedies_of", "release_failed_attempt"]
+__all__ = ["DEVICE_RNG", "CudaGenerators", "GradientJournal", "RandomState", "StepGuard", "measured_remedies_of",
+           "release_failed_attempt", "run_facts_of"]
 
 _STORE_KEY = "lightning_ckpt/out_of_memory"
 
@@ -191,10 +198,21 @@ class GradientJournal:
 
 
 class StepGuard:
-    """Out-of-memory handling and replay-error naming for one engine (see the module docstring)."""
+    """Out-of-memory handling, the allocator's record of it and replay-error naming for one run (see the module
+    docstring).
 
-    def __init__(self, engine: "CheckpointingEngine") -> None:
-        self.engine = engine
+    Args:
+        port: what the guard reaches of the run (:class:`~lightning_ckpt.lightning.port.PlanPort`).
+        tracker: the phase of the step in flight, kept by the run's hooks.
+    """
+
+    def __init__(self, port: "PlanPort", tracker: PhaseTracker) -> None:
+        self.port = port
+        self.tracker = tracker
+        self.calibration: Any = None  # a budget's calibration: its own out-of-memory steps are retried
+        self.controller: Any = None  # the auto-toggle: it hears that its rung ran out of memory
+        self.gate: Any = None  # the auto-toggle's gate per batch shape: its bucket hears it instead, when it raised
+        self.snapshot: Optional[OOMSnapshot] = None  # snapshot_on_oom: the allocator's record
         self.replaying: Optional[str] = None  # the region replayed last: named when its replay misbehaves
         self.world_size = 1
         self.trainer: Any = None
@@ -212,11 +230,33 @@ class StepGuard:
         """The Trainer of the run (every stage): its stage names an evaluation loop's errors."""
         self.trainer = trainer
 
-    def configure(self, trainer: Any) -> None:
-        """Read what the retry depends on from the Trainer (at fit start). The accumulation is read at every step
-        instead: ``GradientAccumulationScheduler`` sets it later, per epoch."""
+    def configure(self, trainer: Any, calibration: Any = None, controller: Any = None, gate: Any = None) -> None:
+        """At fit start: read what the retry depends on from the Trainer, and hear of the features an out-of-memory
+        error concerns (each ``None`` where the run has none). The accumulation is read at every step instead:
+        ``GradientAccumulationScheduler`` sets it later, per epoch."""
         self.trainer = trainer
         self.world_size = trainer.world_size
+        self.calibration, self.controller, self.gate = calibration, controller, gate
+
+    def record(self, trainer: Any) -> None:
+        """``snapshot_on_oom``: record the allocator's history from now on (CUDA; a warning elsewhere), each fit."""
+        if self.snapshot is not None and self.snapshot.recording:
+            return
+        setting = self.port.settings.snapshot_on_oom
+        entries = DEFAULT_MAX_ENTRIES if setting is True else int(setting)
+        folder = trainer.log_dir or trainer.default_root_dir  # every rank: log_dir is a collective under DDP
+        self.snapshot = OOMSnapshot(folder, trainer.global_rank, entries)
+        why_not = self.snapshot.start()  # no CUDA, or an allocator backend that cannot record
+        if why_not is not None:
+            self.snapshot = None
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(why_not)
+
+    def close(self) -> None:
+        """The run ends: recording stops (its snapshot stays named; the next fit records again)."""
+        if self.snapshot is not None:
+            self.snapshot.stop()
 
     @property
     def accumulating(self) -> bool:
@@ -228,7 +268,7 @@ class StepGuard:
         state = getattr(self.trainer, "state", None)
         stage = getattr(getattr(state, "stage", None), "value", None)
         compiled = err is not None and raised_in_compiled_code(err)
-        return self.engine.phase.where(stage, compiled=compiled)
+        return self.tracker.where(stage, compiled=compiled)
 
     def note_replay(self, owner: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A replay hook (:func:`~lightning_ckpt.core.replay.register_replay_hook`): remember who replays."""
@@ -250,7 +290,7 @@ class StepGuard:
                      *args: Any, **kwargs: Any) -> Any:
         """Run ``strategy.optimizer_step`` with a closure that retries on OOM (escalate) or diagnoses it."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
-        self.engine.phase.optimizer_ready(bool(getattr(inner, "state", None)) or inner in self._stepped)
+        self.tracker.optimizer_ready(bool(getattr(inner, "state", None)) or inner in self._stepped)
 
         def retrying_closure() -> Any:
             outside = sys.exc_info()[1]  # being handled by a caller: not the failed attempt's
@@ -276,8 +316,8 @@ class StepGuard:
                 finally:
                     if journal is not None:
                         journal.close()
-                if retried and self.engine.snapshot is not None:  # its snapshot is of an error that is gone
-                    self.engine.snapshot.recovered()
+                if retried and self.snapshot is not None:  # its snapshot is of an error that is gone
+                    self.snapshot.recovered()
                 return result
 
         try:
@@ -296,19 +336,19 @@ class StepGuard:
 
     def _calibrating(self) -> bool:
         """A budget calibration is running (its stages, or the step verifying its choice)."""
-        calibration = self.engine.calibration
+        calibration = self.calibration
         return calibration is not None and not calibration.done
 
     def _retries(self) -> bool:
         """Whether an out-of-memory step is retried: escalation on, or the budget's calibration; one process."""
-        return (self.engine.settings.on_oom == "escalate" or self._calibrating()) and self.world_size == 1
+        return (self.port.settings.on_oom == "escalate" or self._calibrating()) and self.world_size == 1
 
     def _journal(self) -> Optional[GradientJournal]:
         """A journal only where a retry would otherwise double-count: a retry possible, earlier micro-batches' grads."""
-        engine = self.engine
-        if not self._retries() or not self.accumulating or engine.module is None:
+        module = self.port.module
+        if not self._retries() or not self.accumulating or module is None:
             return None
-        return GradientJournal(list(engine.module.parameters()))
+        return GradientJournal(list(module.parameters()))
 
     def _escalate(self, err: BaseException, outside: Optional[BaseException] = None) -> bool:
         """Free what the failed attempt held and move to a stronger plan; ``False`` when that is not possible.
@@ -316,40 +356,40 @@ class StepGuard:
         The order matters: the failed attempt's chain is released first (its tensors freed by reference counting),
         then ``gc`` and the allocator's cache, then the measurement restarts (its peak counters reset on what is left).
         """
-        engine = self.engine
-        plan = engine.plan
+        port = self.port
+        plan = port.plan
         if not self._retries() or plan is None:
             return False
         phase = self.phase(err)  # before the chain is released: the traceback says whether compiled code raised it
-        ladder, before, spec, policy = list(engine.settings.ladder), plan.layout, plan.spec, plan.policy
-        controller = engine.controller
+        ladder, before, spec, policy = list(port.settings.ladder), plan.layout, plan.spec, plan.policy
+        controller = self.controller
         # a micro-batch the shape gate put above the controller's rung: its bucket learns, not the controller
-        gated = engine.gate is not None and controller is not None and spec in ladder and \
+        gated = self.gate is not None and controller is not None and spec in ladder and \
             ladder.index(spec) > controller.level
-        for rung in stronger_rungs(before, ladder, accelerator=engine.on_accelerator):
-            engine.change_plan(rung, level=None if gated else ladder.index(rung))
+        for rung in stronger_rungs(before, ladder, accelerator=port.on_accelerator):
+            port.change_plan(rung, level=None if gated else ladder.index(rung))
             # stronger as applied: the safety checks may keep some blocks off (stateful="skip")
-            if stronger(plan.layout, before, accelerator=engine.on_accelerator):
+            if stronger(plan.layout, before, accelerator=port.on_accelerator):
                 break
         else:
             if plan.layout != before:
-                engine.change_plan(policy)
+                port.change_plan(policy)
             return False
         if gated:
-            engine.gate.out_of_memory(ladder.index(plan.spec))
+            self.gate.out_of_memory(ladder.index(plan.spec))
         elif controller is not None and spec in ladder:  # it must not walk back into the policy that failed
             controller.out_of_memory(ladder.index(spec))
-        calibration = engine.calibration if self._calibrating() else None
+        calibration = self.calibration if self._calibrating() else None
         if calibration is not None:  # before the release: it drops what the stage captured of the failed attempt
             calibration.out_of_memory()
         release_failed_attempt(err, keep=outside)  # the chain's frames hold the failed attempt's tensors
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        engine.phase.batch_start()
-        engine.restart_step()
+        self.tracker.batch_start()
+        port.restart_step()
         note = " (a budget calibration step: recorded as not fitting, not as a stage)" if calibration else ""
-        engine.info(f"out of memory in the {phase.replace('_', ' ')} phase under policy {spec!r}{note}; retrying "
+        port.info(f"out of memory in the {phase.replace('_', ' ')} phase under policy {spec!r}{note}; retrying "
                     f"the same micro-batch with policy {plan.spec!r} ({plan.num_checkpointed}/{plan.num_blocks} "
                     "blocks checkpointed)")
         return True
@@ -364,25 +404,26 @@ class StepGuard:
                 ``"after"`` (after them: the optimizer step, gradient clipping) or ``"outside"`` (anywhere else: an
                 earlier micro-batch of an accumulation window, manual optimization, an evaluation loop).
         """
-        engine = self.engine
+        port = self.port
         phase = self.phase(err)
-        lines = {k.split("memory/")[-1].removesuffix("_gib"): v for k, v in engine.last_metrics.items()
+        lines = {k.split("memory/")[-1].removesuffix("_gib"): v for k, v in port.last_metrics.items()
                  if "memory/" in k}
-        last = engine.last_result.ledger if engine.last_result is not None else None
+        last = port.last_ledger
         remedy = None
         if phase not in EVALUATION_PHASES:  # an evaluation loop has no training state to shrink
             try:
                 if last is not None:
-                    remedy = oom_sentence(last, engine_facts(engine), engine.capacity)
-                elif engine.capacity is not None and engine.module is not None:  # the first step: its model state
-                    remedy = oom_sentence(_state_now(engine), engine_facts(engine), engine.capacity, measured=False)
+                    remedy = oom_sentence(last, run_facts_of(port), port.capacity)
+                elif port.capacity is not None and port.module is not None:  # the first step: its model state
+                    remedy = oom_sentence(_state_now(port), run_facts_of(port), port.capacity, measured=False)
             except Exception as failure:  # noqa: BLE001 - the out-of-memory diagnosis is raised whatever happens here
                 warnings.warn(f"lightning_ckpt: the remedies could not be priced ({failure!r}); the out-of-memory "
                               "diagnosis goes on without them.", stacklevel=2)
-        text = diagnose(phase, lines, engine.capacity, last.phase_peaks if last is not None else None, remedy=remedy)
-        if engine.last_attribution is not None:  # which tensors: the last reference step's, labelled as such
-            text += "\n" + _peak_lines(engine)
-        record = engine.snapshot.describe(err) if engine.snapshot is not None else None
+        text = diagnose(phase, lines, port.capacity, last.phase_peaks if last is not None else None, remedy=remedy)
+        peak = port.peak_anatomy()
+        if peak is not None:  # which tensors: the last reference step's, labelled as such
+            text += "\n" + _peak_lines(peak)
+        record = self.snapshot.describe(err) if self.snapshot is not None else None
         if record:  # snapshot_on_oom: the allocator's own record, written at the failed allocation (or why none is)
             text += "\n" + record
         note = self._retry_note(phase, where)
@@ -392,8 +433,8 @@ class StepGuard:
 
     def _retry_note(self, phase: str, where: str) -> str:
         """Why an escalating run did not retry this error, fix first (nothing when it was never to be retried)."""
-        engine = self.engine
-        if not (engine.settings.on_oom == "escalate" or self._calibrating()):
+        port = self.port
+        if not (port.settings.on_oom == "escalate" or self._calibrating()):
             return ""
         if phase in EVALUATION_PHASES:
             return ("Not retried: on_oom='escalate' retries training steps only, and an evaluation loop has no "
@@ -404,11 +445,11 @@ class StepGuard:
         if where == "after":
             return ("Not retried: the error came after the forward and backward (the optimizer step or gradient "
                     "clipping), where running the step again would apply its update twice.")
-        plan, ladder = engine.plan, list(engine.settings.ladder)
+        plan, ladder = port.plan, list(port.settings.ladder)
         current = plan.spec if plan is not None else "none"
         stronger_one = None
         if plan is not None and where == "outside":  # the closure's error: the escalation tried every stronger one
-            rungs = stronger_rungs(plan.layout, ladder, accelerator=engine.on_accelerator)
+            rungs = stronger_rungs(plan.layout, ladder, accelerator=port.on_accelerator)
             stronger_one = next((rung for rung in rungs if rung != current), None)  # not the one kept off in part
         if stronger_one is None:
             return (f"Reduce the micro-batch (with gradient accumulation) or the sequence length, or add a policy that "
@@ -461,48 +502,48 @@ class StepGuard:
                                    f"{published}")
 
 
-def engine_facts(engine: Any) -> RunFacts:
+def run_facts_of(port: "PlanPort") -> RunFacts:
     """What the run is beside its ledger (:func:`~lightning_ckpt.forecast.measured.run_facts`): the model's and its
     optimizers', the plan's blocks, name and checkpointed share, the largest micro-batch's samples."""
-    module, plan = engine.module, engine.plan
+    module, plan = port.module, port.plan
     trainer = getattr(module, "_trainer", None)
     optimizers = trainer.optimizers if trainer is not None else ()
     blocks = plan.num_blocks if plan is not None else 1
-    shape = getattr(engine, "_batch_shape", None) or (None, 0)
+    shape = port.batch_shape or (None, 0)
     return run_facts(module if module is not None else torch.nn.Module(), optimizers, blocks, int(shape[1] or 0),
                      plan.spec if plan is not None else "none",
                      plan.num_checkpointed / plan.num_blocks if plan is not None and plan.num_blocks else 0.0,
-                     bool(getattr(engine.settings, "zero_grad_before_forward", False)))
+                     bool(getattr(port.settings, "zero_grad_before_forward", False)))
 
 
-def _state_now(engine: Any) -> Ledger:
+def _state_now(port: "PlanPort") -> Ledger:
     """The model state at an error before any step was measured: walked now on the model's device, the optimizer's
     first state counted as it will be allocated (:func:`~lightning_ckpt.forecast.measured.state_to_come`)."""
-    module = engine.module
+    module = port.module
     trainer = getattr(module, "_trainer", None)
     optimizers = list(trainer.optimizers) if trainer is not None else []
     device = next(module.parameters()).device
     state = model_state_bytes(module, optimizers, device=device)
     return Ledger(params=state.params, grads=state.grads, optimizer=state.optimizer + state_to_come(optimizers),
-                  master=state.master, activations=0, capacity=engine.capacity)
+                  master=state.master, activations=0, capacity=port.capacity)
 
 
-def measured_remedies_of(engine: Any) -> Optional[Dict[str, Any]]:
+def measured_remedies_of(port: "PlanPort") -> Optional[Dict[str, Any]]:
     """The remedies priced from the last measured step's ledger (``None`` before one), for the end-of-fit report:
-    ``ledger_report(..., remedies=measured_remedies_of(engine))``
+    ``ledger_report(..., remedies=measured_remedies_of(port))``
     (:func:`~lightning_ckpt.forecast.measured.measured_remedies`)."""
-    last = engine.last_result.ledger if engine.last_result is not None else None
+    last = port.last_ledger
     if last is None:
         return None
-    return measured_remedies(last, engine_facts(engine), engine.capacity)
+    return measured_remedies(last, run_facts_of(port), port.capacity)
 
 
-def _peak_lines(engine: Any, top: int = 5) -> str:
-    """The largest tensors at the last reference step's activation peak, and its findings' codes."""
+def _peak_lines(data: Dict[str, Any], top: int = 5) -> str:
+    """The largest tensors at the last reference step's activation peak (``data``: its anatomy), and its findings'
+    codes."""
     from lightning_ckpt.core.units import format_bytes
     from lightning_ckpt.decide.anatomy import tensor_rows
 
-    data = engine.peak_anatomy(engine.module.trainer if engine.module is not None else None)
     peak = data.get("activation_peak")
     if not peak:
         return ""

@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning_ckpt import ActivationCheckpointing
 from lightning_ckpt.decide.diagnosis import OutOfMemoryDiagnosis
 from lightning_ckpt.decide.report import ledger_report, report_text
-from lightning_ckpt.lightning.recovery import engine_facts, measured_remedies_of
+from lightning_ckpt.lightning.recovery import measured_remedies_of, run_facts_of
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (injected)"
 
@@ -47,10 +47,10 @@ def test_a_fit_whose_optimizer_line_crosses_the_capacity_names_it_and_an_8_bit_s
     trainer, cb = _fit(tmp_path, model)
     trainer.fit(model)
     engine = cb._engine
-    facts = engine_facts(engine)
+    facts = run_facts_of(engine.port)
     assert (facts.blocks, facts.micro_batch, facts.width, facts.optimizer) == (4, 2, 128, "adam")
     assert facts.params == sum(p.numel() for p in model.parameters())
-    section = measured_remedies_of(engine)
+    section = measured_remedies_of(engine.port)
     data = ledger_report(engine.last_result.ledger, "none", ("none", "all"), remedies=section)
     assert data["remedy"]["line"] == "optimizer state" and data["remedy"]["crosses"]
     eight = next(r for r in data["remedies"] if r["name"] == "8-bit optimizer state")

@@ -175,7 +175,7 @@ def test_a_retried_step_forgets_its_snapshot(tmp_path, fake_cuda):
     trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=3), callbacks=[cb])
     trainer.fit(OOMAtStep(at=1, once=True))
     assert trainer.global_step == 3 and list(tmp_path.rglob("oom_snapshot_rank0.pickle"))
-    assert cb._engine.snapshot.path is None and cb._engine.snapshot.describe(torch.OutOfMemoryError("x")) is None
+    assert cb._engine.guard.snapshot.path is None and cb._engine.guard.snapshot.describe(torch.OutOfMemoryError("x")) is None
 
 
 def test_a_second_fit_records_again(tmp_path, fake_cuda):
@@ -198,7 +198,7 @@ def test_an_allocator_that_cannot_record_warns_and_the_run_goes_on(tmp_path, fak
     with pytest.warns(UserWarning, match="remove backend:cudaMallocAsync from PYTORCH_CUDA_ALLOC_CONF to get an "
                                          "out-of-memory snapshot"):
         trainer.fit(TinyTransformer())
-    assert trainer.global_step == 2 and not fake_cuda.observers and cb._engine.snapshot is None
+    assert trainer.global_step == 2 and not fake_cuda.observers and cb._engine.guard.snapshot is None
 
 
 @pytest.mark.gpu
