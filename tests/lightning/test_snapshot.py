@@ -175,7 +175,8 @@ def test_a_retried_step_forgets_its_snapshot(tmp_path, fake_cuda):
     trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=3), callbacks=[cb])
     trainer.fit(OOMAtStep(at=1, once=True))
     assert trainer.global_step == 3 and list(tmp_path.rglob("oom_snapshot_rank0.pickle"))
-    assert cb._engine.guard.snapshot.path is None and cb._engine.guard.snapshot.describe(torch.OutOfMemoryError("x")) is None
+    record = cb._engine.guard.snapshot
+    assert record.path is None and record.describe(torch.OutOfMemoryError("x")) is None
 
 
 def test_a_second_fit_records_again(tmp_path, fake_cuda):
