@@ -24,20 +24,12 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.core.offload import release_host_memory
-from lightning_ckpt.core.policy import (
-    COMPILER_MODE,
-    MODES,
-    Policy,
-    compiler_budget_unavailable,
-    compiler_modes,
-    parse_policy,
-)
+from lightning_ckpt.core.policy import MODES, Policy, compiler_modes, parse_policy
 from lightning_ckpt.core.replay import register_replay_hook
-from lightning_ckpt.core.units import GiB, format_bytes
+from lightning_ckpt.core.units import GiB
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
 from lightning_ckpt.decide.anatomy import anatomy_text, model_anatomy
 from lightning_ckpt.decide.budget import mode_mix
-from lightning_ckpt.decide.calibration import COMPILER_FRACTIONS, BudgetCalibration
 from lightning_ckpt.decide.controller import Controller, resolve_threshold
 from lightning_ckpt.decide.diagnosis import PhaseTracker
 from lightning_ckpt.decide.escalation import host_room, offload_refusal
@@ -47,6 +39,7 @@ from lightning_ckpt.decide.shapes import bucket_of, shape_of
 from lightning_ckpt.decide.verify import verify_equivalence
 from lightning_ckpt.forecast.precision import parse_precision
 from lightning_ckpt.lightning import conflicts, shims
+from lightning_ckpt.lightning.budgeting import WHOLE_MODEL_COMPILE_BUDGET, BudgetFeature
 from lightning_ckpt.lightning.compiled import (
     blocks_in_one_compiled_graph,
     compile_blocks_one_by_one,
@@ -54,13 +47,11 @@ from lightning_ckpt.lightning.compiled import (
     cuda_graphs_in_use,
     graph_breaks_so_far,
     model_compiles,
-    room_for_plans,
     warn_checkpoint_graph_breaks,
     warn_cuda_graphs_once,
 )
 from lightning_ckpt.lightning.gate import ShapeGate
 from lightning_ckpt.lightning.metrics import (
-    block_metrics,
     log_metrics,
     log_step,
     reduce_across_ranks,
@@ -70,7 +61,6 @@ from lightning_ckpt.lightning.port import PlanPort
 from lightning_ckpt.lightning.ranks import HostGroup
 from lightning_ckpt.lightning.recovery import StepGuard, measured_remedies_of
 from lightning_ckpt.lightning.settings import Settings
-from lightning_ckpt.lightning.shaped import ShapeSteps
 from lightning_ckpt.measure.ledger import state_tensors
 from lightning_ckpt.measure.meter import device_capacity
 from lightning_ckpt.measure.monitor import StepMonitor, StepResult
@@ -87,16 +77,6 @@ TIMELINE_FILE = "memory_timeline.png"
 STATE_VERSION = 1
 _STATE_KEYS = frozenset({"version", "policy", "plan_policy", "names", "modes", "controller", "budget"})
 _INSTRUMENTED = "_instrumented"  # reduced with the figures: whether some rank's step ran the per-op instrumentation
-
-
-WHOLE_MODEL_COMPILE_BUDGET = (
-    "lightning_ckpt: policy {spec!r} with the whole model under torch.compile: the plan is verified on eager "
-    "reference steps, and one compiled graph around every block holds more activation memory than eager at the same "
-    "plan (measured for 'all': +3 % to +24 % on the demo GPT, +26 % on a Hugging Face Llama; docs/compile-precision.md"
-    "), so the budget can be exceeded by that much. Pass compile_blocks=True (or compile block by "
-    "block yourself: block.compile()) to keep the budget's figures true and let it choose the compiler's budget per "
-    "block, or leave the choice to the compiler: policy='none' and "
-    "torch._functorch.config.activation_memory_budget = <fraction>, lowered until the run fits.")
 
 
 class CheckpointingEngine:
@@ -117,11 +97,9 @@ class CheckpointingEngine:
         self._skipped: list = []
         self.controller: Optional[Controller] = None
         self.monitor: Optional[StepMonitor] = None
-        self.calibration: Optional[BudgetCalibration] = None
-        self.shapes: Optional[ShapeSteps] = None  # budget: the plan per batch shape
+        self.budget: Optional[BudgetFeature] = None  # budget: its calibration and plans per batch shape, this fit
         self.gate: Optional[ShapeGate] = None  # auto-toggle: the threshold per batch shape, before the step
         self.ranks = HostGroup()  # runs that agree between steps: a gloo group, so agreeing never waits for the device
-        self._restore_dynamo: Optional[Any] = None  # puts dynamo's recompile limit back (room_for_plans)
         self.last_attribution: Optional[Dict[str, Any]] = None  # the last reference step's peaks, named
         self._step_shape: Any = None
         self.phase = PhaseTracker()
@@ -135,11 +113,9 @@ class CheckpointingEngine:
         self._owed: list = []  # logged reference steps whose time and throughput wait for an ordinary step's
         self._pending: Optional[Dict[str, Any]] = None  # restored state waiting for the plan to exist
         self._budget_state: Optional[Dict[str, Any]] = None  # a budget's saved calibration, for fit start
-        self.worst_activations: Optional[int] = None  # budget: the highest activation peak a step read
         self._applied_in_run = False
         self._verified = False
         self._warned_no_logger = False
-        self._warned_infeasible = False
         self._handles: list = []  # forward pre-hook, replay hook
         self._logging = self._deciding = False
         # per plan (modes): sequence length -> activation bytes per sample, for the report's reading of how they grow
@@ -164,6 +140,18 @@ class CheckpointingEngine:
 
     def _key(self, name: str) -> str:
         return f"{self.settings.prefix}/{name}" if self.settings.prefix else name
+
+    @property
+    def calibration(self) -> Any:
+        """A ``budget:`` policy's calibration (:class:`~lightning_ckpt.decide.calibration.BudgetCalibration`) this
+        fit, or ``None``."""
+        return self.budget.calibration if self.budget is not None else None
+
+    @property
+    def shapes(self) -> Any:
+        """A ``budget:`` policy's plans per batch shape (:class:`~lightning_ckpt.lightning.shaped.ShapeSteps`), or
+        ``None``."""
+        return self.budget.shapes if self.budget is not None else None
 
     # ------------------------------------------------------------------------------------------ set-up
     def setup(self, trainer: "pl.Trainer", stage: str) -> None:
@@ -236,8 +224,9 @@ class CheckpointingEngine:
         self._handles.append(register_replay_hook(self.guard.note_replay))
         if self.plan.blocks:
             self._handles.append(self.plan.blocks[0].register_forward_pre_hook(lambda *_: self.phase.forward_start()))
-        if s.budget is not None:
-            self._start_budget(trainer, pl_module, device)
+        if s.budget is not None:  # each fit calibrates, or goes on from what a checkpoint saved of it
+            saved, self._budget_state = self._budget_state, None
+            self.budget = BudgetFeature(self.port, self.monitor.meter, trainer, pl_module, saved)
         if s.snapshot_on_oom:
             self.guard.record(trainer)
         if self.controller is not None and self.calibration is None and s.per_shape:
@@ -249,39 +238,6 @@ class CheckpointingEngine:
         self._check_compiler_modes(pl_module)
         if s.measure:
             self._prepare_loggers(trainer)
-
-    def _start_budget(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", device: torch.device) -> None:
-        """``budget:``: the calibration, the per-shape steps (unless the blocks are one compiled graph) and what a
-        checkpoint saved of them."""
-        s = self.settings
-        budget = s.budget.budget
-        budget = int(budget * self.capacity) if isinstance(budget, float) else budget
-        sync = torch.cuda.synchronize if device.type == "cuda" else None
-        # offload is a mode only where host memory is not the device's own memory
-        modes = ("recompute", "selective", "offload") if device.type == "cuda" else ("recompute", "selective")
-        caller = compiled_block_caller(pl_module, self.plan.blocks)
-        one_graph = blocks_in_one_compiled_graph(pl_module, self.plan.blocks)
-        # the compiler's budget is one per graph: a block's own only when it is compiled as its own graph
-        # (and only with a torch that has it: the fractions are not offered on older releases)
-        fractions = COMPILER_FRACTIONS if caller is not None and not one_graph and compiler_budget_unavailable() \
-            is None else ()
-        self.calibration = BudgetCalibration(self.plan, self.monitor.meter, budget, sync, apply=self.set_modes,
-                                             modes=modes, block_caller=caller, compiler_fractions=fractions)
-        if not one_graph and s.per_shape:  # one whole-model graph: one plan (lightning/shaped.py)
-            self.shapes = ShapeSteps(self.port, self.calibration, budget,
-                                     (*modes, *[COMPILER_MODE] * bool(fractions)))
-            self.shapes.setup(trainer)
-            self.calibration.predict = self.shapes.traced_at_calibration  # no stage predicted over the budget
-            raised = room_for_plans(len(modes) + 1 + len(fractions)) if caller is not None else None
-            if raised:
-                self._restore_dynamo = raised[1]
-                self.info(raised[0])
-        if self._budget_state is not None:
-            self._resume_budget(self._budget_state)
-        if one_graph:
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-            rank_zero_warn(WHOLE_MODEL_COMPILE_BUDGET.format(spec=self.policy.spec))
 
     def _prepare_loggers(self, trainer: "pl.Trainer") -> None:
         """Warn once when nothing will keep the curves; give TensorBoard its layout (rank zero)."""
@@ -376,11 +332,9 @@ class CheckpointingEngine:
         size = None  # a later micro-batch's size, for a measured step
         if not self.monitor.in_step:
             self.batch_shape = (sequence_length(batch), count_samples(batch))
-            calibrating = self.calibration is not None and not self.calibration.done
-            if self.shapes is not None:  # the bucket's plan; the calibration's stage on its own bucket
-                self.shapes.before_micro_batch(trainer, batch, first=True)
-            elif calibrating or (self.calibration is not None and self.calibration.pending):
-                self.calibration.begin_step()
+            calibrating = self.budget is not None and self.budget.calibrating
+            if self.budget is not None:  # the bucket's plan; the calibration's stage on its own bucket
+                self.budget.before_micro_batch(trainer, batch, first=True)
             if self.gate is not None:  # the threshold for this batch's shape, before its forward
                 self.gate.before_micro_batch(trainer, batch, first=True)
             self._logging, self._deciding = self._step_kind(trainer)
@@ -396,11 +350,11 @@ class CheckpointingEngine:
                                     attribute=self.plan.names if self.plan is not None else (),
                                     eager=calibrating, tokens=self._logging,
                                     state=state_tensors(pl_module, trainer.optimizers), batch=_tensors_in(batch),
-                                    exact=self.calibration.exact_step if calibrating else None,
+                                    exact=self.budget.exact_step if calibrating else None,
                                     hidden_recompute=bool(compiler_modes(self.plan.modes)))
         else:  # the next micro-batch of an accumulation window
-            if self.shapes is not None:
-                self.shapes.before_micro_batch(trainer, batch, first=False)
+            if self.budget is not None:
+                self.budget.before_micro_batch(trainer, batch, first=False)
             if self.gate is not None:
                 self.gate.before_micro_batch(trainer, batch, first=False)
             self.monitor.phase("forward")
@@ -471,8 +425,8 @@ class CheckpointingEngine:
         result = self.monitor.end_step(pl_module, trainer.optimizers, plan.num_checkpointed if plan else 0)
         self._settle_owed(trainer, result)
         if result.ledger is None:  # not measured: the report keeps the last measured step
-            if self.shapes is not None:
-                self.shapes.after_step(None, None, None, {}, self._key)
+            if self.budget is not None:
+                self.budget.after_unmeasured_step(self._key)
             return
         result = self._as_compiled(result)
         self.last_result, self._last_step = result, (log_step(trainer), self._logging)
@@ -495,30 +449,13 @@ class CheckpointingEngine:
             metrics = dict(metrics, **reduce_across_ranks(trainer.strategy, {key: metrics[key]}, group=group))
         if self.controller is not None:
             metrics[self._key("checkpointing/level")] = float(self.controller.level)
-        if self.calibration is not None and self.calibration.chosen is not None:  # this rank's plan: not reduced
-            metrics.update(block_metrics(self.calibration.chosen, self.settings.prefix))
-        if self.shapes is not None:
-            reading = metrics.get(self._key("memory/activations_gib"))
-            self.shapes.after_step(None if reading is None else round(reading * GiB),
-                                   None if result.instrumented else result.step_s,
-                                   metrics.get(self._key("throughput/tokens_per_sec")), metrics, self._key)
+        if self.budget is not None:  # its figures; the calibration's next stage
+            self.budget.after_step(result, metrics, self._key)
         self.last_metrics = metrics
         if self._logging:
             log_metrics(trainer, metrics, self.settings.prefix)
         if self._deciding:
             self._decide(trainer, metrics)
-        if self.calibration is not None and result.ledger.activations is not None:  # the budget's worst step
-            self.worst_activations = max(self.worst_activations or 0, result.ledger.activations)
-        if self.calibration is not None and not self.calibration.done and result.ledger.activations is not None:
-            self.calibration.end_step(result.ledger.activations)
-            for message in self.calibration.messages:
-                self.info(message)
-            self.calibration.messages.clear()
-            self._warn_if_infeasible()
-        # done at a step's end, or settled when its verifying step ran out of memory: the planner's reference now
-        if self.shapes is not None and self.calibration is not None and self.calibration.done and \
-                self.shapes.planner.reference is None:
-            self.shapes.calibration_done()
 
     def _settle_owed(self, trainer: "pl.Trainer", result: StepResult) -> None:
         """The time and throughput of the logged reference steps waiting for them, from this step when it is an
@@ -537,58 +474,12 @@ class CheckpointingEngine:
         self.last_metrics.update(figures)
         self._owed, self.monitor.owed = [], False
 
-    def _resume_budget(self, state: Dict[str, Any]) -> None:
-        """A checkpoint's budget calibration and per-shape plans: the run goes on where it stopped."""
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-        self._budget_state = None
-        try:
-            self.calibration.load_state_dict(state["calibration"])
-            if self.shapes is not None and state.get("shapes"):
-                self.shapes.load_state_dict(state["shapes"])
-        except (KeyError, ValueError, TypeError, IndexError) as err:
-            rank_zero_warn(f"lightning_ckpt: the budget measures its plans again: the checkpoint's budget state does "
-                           f"not fit this run ({type(err).__name__}: {err}).")
-            return
-        self.worst_activations = state.get("worst")
-        calibration = self.calibration
-        where = ("its plan " + mode_mix(calibration.chosen.modes) if calibration.done and calibration.chosen
-                 else f"calibration step {calibration.stage + 1} of {len(calibration.stages)}")
-        self.info(f"budget resumed from the checkpoint at {where}")
-
-    def _budget_figures(self) -> Dict[str, Any]:
-        """What the budget held over the run: the highest activation peak a step read (calibration included) and
-        its share of the budget, the calibration's length in steps, the longest length found, the pricing time."""
-        calibration, shapes = self.calibration, self.shapes
-        longest = shapes.longest if shapes is not None else None
-        return {"worst_step": self.worst_activations,
-                "worst_step_ratio": None if self.worst_activations is None else
-                self.worst_activations / calibration.budget,
-                "calibration_steps": len(calibration.stages) + calibration.verifications,
-                "longest": None if longest is None else str(longest),
-                "pricing_s": shapes.pricing_s if shapes is not None else 0.0}
-
-    def _warn_if_infeasible(self) -> None:
-        """A budget no plan meets is a warning (rank zero, once) naming the smallest feasible budget."""
-        chosen = self.calibration.chosen
-        if chosen is None or chosen.fits or self._warned_infeasible:
-            return
-        self._warned_infeasible = True
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-        rank_zero_warn(f"lightning_ckpt: raise the budget to at least {format_bytes(chosen.smallest_budget)} (or "
-                       f"shorten the sequence or the micro-batch): no plan meets {self.settings.budget.spec!r}, so the "
-                       "run uses the plan with the lowest predicted activation peak, "
-                       f"{format_bytes(chosen.predicted_peak)}.")
-
     def _as_compiled(self, result: StepResult) -> StepResult:
         """The step's figures with the ``compiler:<f>`` blocks' measured savings (at the step's shape, under per-shape
         plans) taken off the activation line. Its figure is counted eagerly (the plan's reference step, or that figure
         reused: the compiled step's saved tensors would miss the recompute inside those blocks' backward), where those
         blocks run ``off``."""
-        savings = self.shapes.compiled_savings(self.plan.modes) if self.shapes is not None else None
-        if savings is None:  # the calibration's shape: its own savings
-            savings = self.calibration.compiled_savings(self.plan.modes) if self.calibration is not None else 0
+        savings = self.budget.compiled_savings(self.plan.modes) if self.budget is not None else 0
         if not savings or result.ledger.activations is None or not getattr(result.reading, "eager_figure", False):
             return result
         return dataclasses.replace(result, ledger=result.ledger.with_activations(result.ledger.activations - savings))
@@ -644,15 +535,8 @@ class CheckpointingEngine:
 
     # ------------------------------------------------------------------------------------------ the end
     def fit_end(self, trainer: "pl.Trainer") -> None:
-        calibration = self.calibration
-        if calibration is not None and calibration.calibrating and trainer.is_global_zero:
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-            rank_zero_warn(
-                f"lightning_ckpt: train at least {len(calibration.stages) + 1} steps for "
-                f"{self.settings.budget.spec!r} to choose its plan, or pass a fixed policy: the run ended after "
-                f"{calibration.stage} of its "
-                f"{len(calibration.stages)} calibration steps, on a calibration plan ({self.plan.spec!r}).")
+        if self.budget is not None:
+            self.budget.fit_end(trainer)
         if self.settings.report and self.last_result is not None and self.last_result.ledger is not None:
             text = self.report(trainer)  # every rank: trainer.log_dir is a collective under DDP
             if trainer.is_global_zero:
@@ -669,17 +553,8 @@ class CheckpointingEngine:
                              history={"activations_vs_seq_len": reading} if reading else None,
                              all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks),
                              remedies=measured_remedies_of(self.port))
-        chosen = self.calibration.chosen if self.calibration is not None else None
-        if chosen is not None:
-            data["budget_plan"] = {
-                "budget": chosen.budget, "predicted_peak": chosen.predicted_peak, "measured": self.calibration.measured,
-                "smallest_budget": chosen.smallest_budget, "added_s": chosen.recompute_s,
-                "blocks": [{"mode": c.mode, "kept": c.kept, "saves": off.kept - c.kept, "replay": c.replay,
-                            "seconds": c.seconds} for c, off in chosen.choices]}
-        if self.calibration is not None:
-            data["budget"] = self._budget_figures()
-        if self.shapes is not None and self.shapes.planner.plans:
-            data["shape_plans"] = self.shapes.report()
+        if self.budget is not None:
+            data.update(self.budget.report_section())
         if self.gate is not None and self.gate.needed:
             data["shape_gate"] = self.gate.report()
         if self._last_step is not None:  # the step the report reads: Lightning's (TensorBoard's) step of it
@@ -692,18 +567,10 @@ class CheckpointingEngine:
             with open(os.path.join(folder, REPORT_FILE), "w") as fh:
                 json.dump(data, fh, indent=2)
             self._draw_timeline(trainer, folder)
-        text = report_text(data) + (f"\n  per block, as the budget chose:\n{chosen.summary()}" if chosen else "")
-        if "budget" in data:
-            text += "\n" + _budget_line(data["budget"])
+        text = report_text(data) + (self.budget.plan_text(data) if self.budget is not None else "")
         if "peak" in data:
             text += "\n" + anatomy_text(data["peak"])
-        if "shape_plans" in data:
-            text += "\n  per batch shape (micro-batch x length, buckets of powers of two):\n" + \
-                self.shapes.planner.table()
-            cache = data["shape_plans"].get("cache")
-            if cache and cache["advice"]:
-                text += f"\n  - {cache['advice']}"
-        return text
+        return text + (self.budget.shapes_text(data) if self.budget is not None else "")
 
     def _draw_timeline(self, trainer: "pl.Trainer", folder: str) -> None:
         """The last reference step's memory over its operations: ``memory_timeline.png`` beside the report and a
@@ -745,16 +612,12 @@ class CheckpointingEngine:
         self._release_handles()
         if self.plan is not None:  # pinned host memory of offloaded blocks goes back when the run ends
             release_host_memory(self.plan)
-        if self.calibration is not None:  # a run that ends while calibrating leaves no hook behind
-            self.calibration.close()
-        for per_shape in (self.shapes, self.gate):
-            if per_shape is not None:
-                per_shape.close()
+        if self.budget is not None:  # a run that ends while calibrating leaves no hook behind
+            self.budget.close()
+        if self.gate is not None:
+            self.gate.close()
         self.ranks.close()
         self.guard.close()
-        if self._restore_dynamo is not None:  # dynamo's cache limit as the user had it
-            self._restore_dynamo()
-            self._restore_dynamo = None
         if self.monitor is not None:
             self.monitor.close()
 
@@ -776,9 +639,8 @@ class CheckpointingEngine:
                  "names": list(plan["names"]), "modes": list(plan["modes"])}
         if self.controller is not None:
             state["controller"] = self.controller.state_dict()
-        if self.calibration is not None:  # a resumed run goes on without calibrating again
-            state["budget"] = {"calibration": self.calibration.state_dict(), "worst": self.worst_activations,
-                               "shapes": self.shapes.state_dict() if self.shapes is not None else None}
+        if self.budget is not None:  # a resumed run goes on without calibrating again
+            state["budget"] = self.budget.state_dict()
         elif self._budget_state is not None:
             state["budget"] = self._budget_state
         return state
@@ -826,18 +688,6 @@ class CheckpointingEngine:
                                    "modes": state.get("modes", [])})
         self._check_replay_safety()
         self._budget_state = state.get("budget")  # restored at fit start, once the calibration exists
-
-
-def _budget_line(figures: Dict[str, Any]) -> str:
-    """The report's line on what the budget held: its worst step against it, the calibration, the longest length."""
-    worst = figures.get("worst_step")
-    parts = [f"worst step {format_bytes(worst)} ({figures['worst_step_ratio']:.0%} of the budget, the calibration's "
-             "steps included)" if worst is not None else "no step measured",
-             f"calibration {figures['calibration_steps']} steps"]
-    if figures.get("longest"):
-        parts.append(f"longest batch it holds {figures['longest']}")
-    parts.append(f"{figures['pricing_s']:.1f} s pricing shapes on fake tensors")
-    return "  budget: " + "; ".join(parts)
 
 
 def _check_state(state: Any) -> Optional[Dict[str, Any]]:
