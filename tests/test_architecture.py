@@ -194,7 +194,7 @@ def test_no_function_of_the_lightning_layer_is_longer_than_60_lines():
     assert not long, long
 
 
-@pytest.mark.parametrize("module", ["gate", "shaped", "recovery"])
+@pytest.mark.parametrize("module", ["gate", "shaped", "recovery", "budgeting", "autotoggle"])
 def test_the_per_shape_features_reach_the_run_through_the_port_only(module):
     """Issue 38: ``ShapeGate`` and ``ShapeSteps`` held the engine (``engine: Any``) and read its attributes (the
     calibration, the controller, the last result, ...). They hold a ``PlanPort`` now: the plan, the one way to change
@@ -205,3 +205,21 @@ def test_the_per_shape_features_reach_the_run_through_the_port_only(module):
     offered = {name for name, value in vars(PlanPort).items() if not name.startswith("_")}
     assert set(reached) <= offered, sorted(set(reached) - offered)
     assert not [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "engine"]
+
+
+def test_the_engine_hears_its_features_through_one_interface():
+    """Issue 38: the engine's step's end, fit end, report and teardown branched on each capability (``if
+    self.calibration is not None``, ``if self.gate is not None``, ...). Each capability is a ``Feature`` now, and
+    those hooks call every feature the same way."""
+    from lightning_ckpt.lightning.autotoggle import AutoToggle
+    from lightning_ckpt.lightning.budgeting import BudgetFeature
+    from lightning_ckpt.lightning.feature import Feature
+
+    assert issubclass(BudgetFeature, Feature) and issubclass(AutoToggle, Feature)
+    capabilities = {"budget", "toggle", "calibration", "shapes", "controller", "gate"}
+    tree = ast.parse((PACKAGE / "lightning" / "engine.py").read_text())
+    hooks = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    reached = {f"{name}: self.{node.attr}" for name in ("batch_end", "fit_end", "report", "release")
+               for node in ast.walk(hooks[name]) if isinstance(node, ast.Attribute) and node.attr in capabilities
+               and isinstance(node.value, ast.Name) and node.value.id == "self"}
+    assert not reached, sorted(reached)

@@ -34,14 +34,13 @@ from lightning_ckpt.core.units import GiB, format_bytes
 from lightning_ckpt.decide.budget import mode_mix
 from lightning_ckpt.decide.calibration import COMPILER_FRACTIONS, BudgetCalibration
 from lightning_ckpt.lightning.compiled import blocks_in_one_compiled_graph, compiled_block_caller, room_for_plans
+from lightning_ckpt.lightning.feature import Feature, StepEnd
 from lightning_ckpt.lightning.metrics import block_metrics
 from lightning_ckpt.lightning.port import PlanPort
 from lightning_ckpt.lightning.shaped import ShapeSteps
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
-
-    from lightning_ckpt.measure.monitor import StepResult
 
 __all__ = ["WHOLE_MODEL_COMPILE_BUDGET", "BudgetFeature"]
 
@@ -56,7 +55,7 @@ WHOLE_MODEL_COMPILE_BUDGET = (
     "torch._functorch.config.activation_memory_budget = <fraction>, lowered until the run fits.")
 
 
-class BudgetFeature:
+class BudgetFeature(Feature):
     """A ``budget:`` policy's run in one fit (see the module docstring).
 
     Args:
@@ -137,10 +136,10 @@ class BudgetFeature:
         if self.shapes is not None:
             self.shapes.after_step(None, None, None, {}, key)
 
-    def after_step(self, result: "StepResult", metrics: Dict[str, float], key: Callable[[str], str]) -> None:
-        """A measured step ended: its figures join ``metrics`` (the chosen plan per block, the bucket's), and the
-        calibration takes its reading and moves to its next stage."""
-        calibration = self.calibration
+    def after_step(self, step: StepEnd) -> None:
+        """A measured step ended: its figures join the step's metrics (the chosen plan per block, the bucket's), and
+        the calibration takes its reading and moves to its next stage."""
+        calibration, result, metrics, key = self.calibration, step.result, step.metrics, step.key
         if calibration.chosen is not None:  # this rank's plan: not reduced
             metrics.update(block_metrics(calibration.chosen, self.port.settings.prefix))
         if self.shapes is not None:
@@ -214,21 +213,17 @@ class BudgetFeature:
                 "longest": None if longest is None else str(longest),
                 "pricing_s": shapes.pricing_s if shapes is not None else 0.0}
 
-    def plan_text(self, data: Dict[str, Any]) -> str:
-        """The report's lines on the chosen plan per block and what the budget held (``data``: the report)."""
+    def report_text(self, data: Dict[str, Any]) -> str:
+        """The report's lines on the chosen plan per block, what the budget held, and the plans per batch shape with
+        the allocator's advice."""
         chosen = self.calibration.chosen
         text = f"\n  per block, as the budget chose:\n{chosen.summary()}" if chosen else ""
-        return text + "\n" + budget_line(data["budget"])
-
-    def shapes_text(self, data: Dict[str, Any]) -> str:
-        """The report's table of the plans per batch shape, with the allocator's advice (empty without plans)."""
+        text += "\n" + budget_line(data["budget"])
         if "shape_plans" not in data:
-            return ""
-        text = "\n  per batch shape (micro-batch x length, buckets of powers of two):\n" + self.shapes.planner.table()
+            return text
+        text += "\n  per batch shape (micro-batch x length, buckets of powers of two):\n" + self.shapes.planner.table()
         cache = data["shape_plans"].get("cache")
-        if cache and cache["advice"]:
-            text += f"\n  - {cache['advice']}"
-        return text
+        return text + (f"\n  - {cache['advice']}" if cache and cache["advice"] else "")
 
     # ------------------------------------------------------------------------------------------ persistence
     def state_dict(self) -> Dict[str, Any]:

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -26,11 +26,9 @@ from torch.utils._pytree import tree_flatten
 from lightning_ckpt.core.offload import release_host_memory
 from lightning_ckpt.core.policy import MODES, Policy, compiler_modes, parse_policy
 from lightning_ckpt.core.replay import register_replay_hook
-from lightning_ckpt.core.units import GiB
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
 from lightning_ckpt.decide.anatomy import anatomy_text, model_anatomy
 from lightning_ckpt.decide.budget import mode_mix
-from lightning_ckpt.decide.controller import Controller, resolve_threshold
 from lightning_ckpt.decide.diagnosis import PhaseTracker
 from lightning_ckpt.decide.escalation import host_room, offload_refusal
 from lightning_ckpt.decide.report import ledger_report, length_reading, report_text
@@ -39,6 +37,7 @@ from lightning_ckpt.decide.shapes import bucket_of, shape_of
 from lightning_ckpt.decide.verify import verify_equivalence
 from lightning_ckpt.forecast.precision import parse_precision
 from lightning_ckpt.lightning import conflicts, shims
+from lightning_ckpt.lightning.autotoggle import AutoToggle
 from lightning_ckpt.lightning.budgeting import WHOLE_MODEL_COMPILE_BUDGET, BudgetFeature
 from lightning_ckpt.lightning.compiled import (
     blocks_in_one_compiled_graph,
@@ -50,7 +49,7 @@ from lightning_ckpt.lightning.compiled import (
     warn_checkpoint_graph_breaks,
     warn_cuda_graphs_once,
 )
-from lightning_ckpt.lightning.gate import ShapeGate
+from lightning_ckpt.lightning.feature import Feature, StepEnd
 from lightning_ckpt.lightning.metrics import (
     log_metrics,
     log_step,
@@ -95,10 +94,9 @@ class CheckpointingEngine:
         self.module: Optional["pl.LightningModule"] = None
         self.on_accelerator = False
         self._skipped: list = []
-        self.controller: Optional[Controller] = None
+        self.toggle: Optional[AutoToggle] = None  # auto_threshold: the controller and its gate per batch shape
         self.monitor: Optional[StepMonitor] = None
         self.budget: Optional[BudgetFeature] = None  # budget: its calibration and plans per batch shape, this fit
-        self.gate: Optional[ShapeGate] = None  # auto-toggle: the threshold per batch shape, before the step
         self.ranks = HostGroup()  # runs that agree between steps: a gloo group, so agreeing never waits for the device
         self.last_attribution: Optional[Dict[str, Any]] = None  # the last reference step's peaks, named
         self._step_shape: Any = None
@@ -148,6 +146,21 @@ class CheckpointingEngine:
         return self.budget.calibration if self.budget is not None else None
 
     @property
+    def controller(self) -> Any:
+        """The auto-toggle's :class:`~lightning_ckpt.decide.controller.Controller`, or ``None``."""
+        return self.toggle.controller if self.toggle is not None else None
+
+    @property
+    def gate(self) -> Any:
+        """The auto-toggle's gate per batch shape (:class:`~lightning_ckpt.lightning.gate.ShapeGate`), or ``None``."""
+        return self.toggle.gate if self.toggle is not None else None
+
+    @property
+    def features(self) -> List[Feature]:
+        """The capabilities deciding on the plan this fit, in the order they hear each hook."""
+        return [feature for feature in (self.budget, self.toggle) if feature is not None]
+
+    @property
     def shapes(self) -> Any:
         """A ``budget:`` policy's plans per batch shape (:class:`~lightning_ckpt.lightning.shaped.ShapeSteps`), or
         ``None``."""
@@ -191,10 +204,7 @@ class CheckpointingEngine:
                 self.info(f"compile_blocks: {change}")
         self.capacity = self.settings.capacity_bytes or device_capacity(trainer.strategy.root_device)
         if self.settings.auto_threshold is not None:
-            self.controller = Controller(threshold=resolve_threshold(self.settings.auto_threshold, self.capacity),
-                                         ladder=self.settings.ladder, release=self.settings.release,
-                                         cooldown=self.settings.cooldown,
-                                         level=self.settings.ladder.index(self.policy.spec))
+            self.toggle = AutoToggle(self.port, self.capacity)
         self._check_replay_safety()
         conflicts.refuse_regions_across_shards(trainer.strategy, self.plan, self._reachable_policies())
         if self._pending is not None:
@@ -229,11 +239,8 @@ class CheckpointingEngine:
             self.budget = BudgetFeature(self.port, self.monitor.meter, trainer, pl_module, saved)
         if s.snapshot_on_oom:
             self.guard.record(trainer)
-        if self.controller is not None and self.calibration is None and s.per_shape:
-            self.gate = ShapeGate(self.port, self.controller, self.controller.threshold)
-            self.gate.setup(trainer)
-        if self.controller is not None:  # it decides on the reduced activation line: gathered on the host
-            self.ranks.setup(trainer)
+        if self.toggle is not None:
+            self.toggle.setup(trainer)
         self.guard.configure(trainer, self.calibration, self.controller, self.gate)
         self._check_compiler_modes(pl_module)
         if s.measure:
@@ -265,8 +272,8 @@ class CheckpointingEngine:
         if capacity is None or capacity == self.capacity:
             return
         self.capacity = capacity
-        if self.controller is not None:
-            self.controller.threshold = resolve_threshold(self.settings.auto_threshold, capacity)
+        if self.toggle is not None:
+            self.toggle.resize(capacity)
 
     def _check_compiler_modes(self, pl_module: "pl.LightningModule") -> None:
         """``compiler:<f>`` blocks in a fixed plan: refused inside one whole-model graph (PyTorch takes one budget
@@ -305,9 +312,8 @@ class CheckpointingEngine:
             warnings.warn(f"lightning_ckpt: {refusal}", RuntimeWarning, stacklevel=2)
             return
         self.plan.retarget(policy)
-        if level is not None and self.controller is not None:
-            self.controller.level = level
-            self.controller.since_switch = self.controller.calm_steps = 0
+        if level is not None and self.toggle is not None:
+            self.toggle.moved_to(level)
         self._check_replay_safety()
 
     def set_modes(self, modes: Sequence[str]) -> None:
@@ -333,10 +339,8 @@ class CheckpointingEngine:
         if not self.monitor.in_step:
             self.batch_shape = (sequence_length(batch), count_samples(batch))
             calibrating = self.budget is not None and self.budget.calibrating
-            if self.budget is not None:  # the bucket's plan; the calibration's stage on its own bucket
-                self.budget.before_micro_batch(trainer, batch, first=True)
-            if self.gate is not None:  # the threshold for this batch's shape, before its forward
-                self.gate.before_micro_batch(trainer, batch, first=True)
+            for feature in self.features:  # the plan for this batch, before its forward
+                feature.before_micro_batch(trainer, batch, first=True)
             self._logging, self._deciding = self._step_kind(trainer)
             # owed the time of a logged reference step: timed, and its figures reduced (not logged) at its end
             self._settling = bool(self._owed)
@@ -353,10 +357,8 @@ class CheckpointingEngine:
                                     exact=self.budget.exact_step if calibrating else None,
                                     hidden_recompute=bool(compiler_modes(self.plan.modes)))
         else:  # the next micro-batch of an accumulation window
-            if self.budget is not None:
-                self.budget.before_micro_batch(trainer, batch, first=False)
-            if self.gate is not None:
-                self.gate.before_micro_batch(trainer, batch, first=False)
+            for feature in self.features:
+                feature.before_micro_batch(trainer, batch, first=False)
             self.monitor.phase("forward")
             if self._step_shape is not None:  # measured: the step's size is its largest micro-batch's (meter.grow)
                 size = self._grow_step(batch)
@@ -387,7 +389,7 @@ class CheckpointingEngine:
     def _step_kind(self, trainer: "pl.Trainer") -> tuple:
         """(logging step, decision step) for the optimizer step that starts now."""
         logging = bool(self.settings.measure and trainer._logger_connector.should_update_logs)
-        deciding = self.controller is not None and trainer.global_step % self.settings.decide_every_n_steps == 0
+        deciding = self.toggle is not None and self.toggle.deciding(trainer.global_step)
         return logging, deciding
 
     def before_backward(self) -> None:
@@ -425,8 +427,8 @@ class CheckpointingEngine:
         result = self.monitor.end_step(pl_module, trainer.optimizers, plan.num_checkpointed if plan else 0)
         self._settle_owed(trainer, result)
         if result.ledger is None:  # not measured: the report keeps the last measured step
-            if self.budget is not None:
-                self.budget.after_unmeasured_step(self._key)
+            for feature in self.features:
+                feature.after_unmeasured_step(self._key)
             return
         result = self._as_compiled(result)
         self.last_result, self._last_step = result, (log_step(trainer), self._logging)
@@ -447,15 +449,12 @@ class CheckpointingEngine:
         elif self._deciding:  # only the activation line: one collective of one float
             key = self._key("memory/activations_gib")
             metrics = dict(metrics, **reduce_across_ranks(trainer.strategy, {key: metrics[key]}, group=group))
-        if self.controller is not None:
-            metrics[self._key("checkpointing/level")] = float(self.controller.level)
-        if self.budget is not None:  # its figures; the calibration's next stage
-            self.budget.after_step(result, metrics, self._key)
+        step = StepEnd(trainer, result, metrics, self._key, self._deciding)
+        for feature in self.features:  # their figures join the step's; they decide for the next step
+            feature.after_step(step)
         self.last_metrics = metrics
         if self._logging:
             log_metrics(trainer, metrics, self.settings.prefix)
-        if self._deciding:
-            self._decide(trainer, metrics)
 
     def _settle_owed(self, trainer: "pl.Trainer", result: StepResult) -> None:
         """The time and throughput of the logged reference steps waiting for them, from this step when it is an
@@ -491,20 +490,6 @@ class CheckpointingEngine:
             lengths = self._by_length.setdefault(self.plan.modes if self.plan is not None else (), {})
             lengths[length] = max(lengths.get(length, 0.0), per_sample)
 
-    def _decide(self, trainer: "pl.Trainer", metrics: Dict[str, float]) -> None:
-        reading = metrics.get(self._key("memory/activations_gib"))
-        if reading is None:
-            return
-        if self.gate is not None:
-            self.gate.after_step(round(reading * GiB))
-            if self.gate.raised:  # the step ran above the controller's rung: it says nothing of that rung
-                return
-        decision = self.controller.observe(reading * GiB)
-        if decision.changed:
-            self.change_plan(decision.policy)
-            self.info(f"step {trainer.global_step}: {decision.reason} ({self.plan.num_checkpointed}/"
-                      f"{self.plan.num_blocks} blocks checkpointed)")
-
     def pause(self) -> None:
         """Validation starts: its time is no step's."""
         if self.monitor is not None:
@@ -535,8 +520,8 @@ class CheckpointingEngine:
 
     # ------------------------------------------------------------------------------------------ the end
     def fit_end(self, trainer: "pl.Trainer") -> None:
-        if self.budget is not None:
-            self.budget.fit_end(trainer)
+        for feature in self.features:
+            feature.fit_end(trainer)
         if self.settings.report and self.last_result is not None and self.last_result.ledger is not None:
             text = self.report(trainer)  # every rank: trainer.log_dir is a collective under DDP
             if trainer.is_global_zero:
@@ -553,10 +538,8 @@ class CheckpointingEngine:
                              history={"activations_vs_seq_len": reading} if reading else None,
                              all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks),
                              remedies=measured_remedies_of(self.port))
-        if self.budget is not None:
-            data.update(self.budget.report_section())
-        if self.gate is not None and self.gate.needed:
-            data["shape_gate"] = self.gate.report()
+        for feature in self.features:
+            data.update(feature.report_section())
         if self._last_step is not None:  # the step the report reads: Lightning's (TensorBoard's) step of it
             data["step"], data["logged"] = self._last_step
         if self.last_attribution is not None:
@@ -567,10 +550,8 @@ class CheckpointingEngine:
             with open(os.path.join(folder, REPORT_FILE), "w") as fh:
                 json.dump(data, fh, indent=2)
             self._draw_timeline(trainer, folder)
-        text = report_text(data) + (self.budget.plan_text(data) if self.budget is not None else "")
-        if "peak" in data:
-            text += "\n" + anatomy_text(data["peak"])
-        return text + (self.budget.shapes_text(data) if self.budget is not None else "")
+        text = report_text(data) + "".join(feature.report_text(data) for feature in self.features)
+        return text + ("\n" + anatomy_text(data["peak"]) if "peak" in data else "")
 
     def _draw_timeline(self, trainer: "pl.Trainer", folder: str) -> None:
         """The last reference step's memory over its operations: ``memory_timeline.png`` beside the report and a
@@ -612,10 +593,8 @@ class CheckpointingEngine:
         self._release_handles()
         if self.plan is not None:  # pinned host memory of offloaded blocks goes back when the run ends
             release_host_memory(self.plan)
-        if self.budget is not None:  # a run that ends while calibrating leaves no hook behind
-            self.budget.close()
-        if self.gate is not None:
-            self.gate.close()
+        for feature in self.features:  # a run that ends while calibrating leaves no hook behind
+            feature.close()
         self.ranks.close()
         self.guard.close()
         if self.monitor is not None:
@@ -637,8 +616,8 @@ class CheckpointingEngine:
         plan = self.plan.state_dict()
         state = {"version": STATE_VERSION, "policy": self._configured_spec(), "plan_policy": plan["policy"],
                  "names": list(plan["names"]), "modes": list(plan["modes"])}
-        if self.controller is not None:
-            state["controller"] = self.controller.state_dict()
+        if self.toggle is not None:
+            state["controller"] = self.toggle.state_dict()
         if self.budget is not None:  # a resumed run goes on without calibrating again
             state["budget"] = self.budget.state_dict()
         elif self._budget_state is not None:
@@ -669,13 +648,8 @@ class CheckpointingEngine:
                 f"plan, pass policy={saved!r}.", UserWarning, stacklevel=3)
             self.change_plan(self.policy)
             return
-        controller = state.get("controller")
-        if controller is not None and self.controller is not None:
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-            for note in self.controller.load_state_dict(controller):
-                rank_zero_warn(f"lightning_ckpt: {note}")
-            self.change_plan(self.controller.policy)
+        if state.get("controller") is not None and self.toggle is not None:
+            self.toggle.load_state_dict(state["controller"])
         if "plan_policy" not in state:
             return
         if list(state.get("names", [])) != list(self.plan.names):

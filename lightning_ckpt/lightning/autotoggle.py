@@ -1,0 +1,119 @@
+"""``auto_threshold`` in a Trainer: the auto-toggle, and its threshold applied per batch shape before each step.
+
+The engine (:mod:`lightning_ckpt.lightning.engine`) makes one :class:`AutoToggle` each time it applies the plan of a
+fit with ``auto_threshold``, and calls it at its hooks. It holds the
+:class:`~lightning_ckpt.decide.controller.Controller` (a pure state machine along ``ladder``: up as soon as the
+activation peak crosses the threshold, down after ``cooldown`` calm steps when the rung below is predicted under
+``release × threshold``) and, with ``per_shape``, the :class:`~lightning_ckpt.lightning.gate.ShapeGate` that puts a
+batch longer than any before it on the rung it needs before its forward. It reaches the run through its
+:class:`~lightning_ckpt.lightning.port.PlanPort` only.
+
+The controller decides on the measured activation line of every ``decide_every_n_steps``-th optimizer step, the
+maximum over ranks (every rank decides alike); a step the gate raised above the controller's rung says nothing of
+that rung, and is not decided on. A resumed fit goes on from the checkpoint's controller state (its rung, its
+cooldown, what it learned).
+
+Logged (with the engine's figures, on measured steps): ``checkpointing/level``, the controller's rung.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from lightning_ckpt.core.units import GiB
+from lightning_ckpt.decide.controller import Controller, resolve_threshold
+from lightning_ckpt.lightning.feature import Feature, StepEnd
+from lightning_ckpt.lightning.gate import ShapeGate
+from lightning_ckpt.lightning.port import PlanPort
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+__all__ = ["AutoToggle"]
+
+
+class AutoToggle(Feature):
+    """The auto-toggle of one fit (see the module docstring).
+
+    Args:
+        port: what the feature reaches of the run.
+        capacity: the device's memory in bytes, which a fractional ``auto_threshold`` is a share of.
+    """
+
+    def __init__(self, port: PlanPort, capacity: Optional[int]) -> None:
+        self.port = port
+        s = port.settings
+        self.controller = Controller(threshold=resolve_threshold(s.auto_threshold, capacity), ladder=s.ladder,
+                                     release=s.release, cooldown=s.cooldown, level=s.ladder.index(s.start.spec))
+        self.gate: Optional[ShapeGate] = None
+
+    def resize(self, capacity: int) -> None:
+        """The device's capacity read again (after the strategy's set-up): a fractional threshold follows it."""
+        self.controller.threshold = resolve_threshold(self.port.settings.auto_threshold, capacity)
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """At fit start: the gate per batch shape (``per_shape``), and the ranks' host group the decisions agree
+        through."""
+        if self.port.settings.per_shape:
+            self.gate = ShapeGate(self.port, self.controller, self.controller.threshold)
+            self.gate.setup(trainer)
+        self.port.ranks.setup(trainer)  # it decides on the reduced activation line: gathered on the host
+
+    def moved_to(self, level: int) -> None:
+        """The plan was put on rung ``level`` from outside the controller (an out-of-memory retry): it starts
+        counting its steps there."""
+        controller = self.controller
+        controller.level = level
+        controller.since_switch = controller.calm_steps = 0
+
+    def deciding(self, global_step: int) -> bool:
+        """Whether the optimizer step ``global_step`` is one the controller decides on."""
+        return global_step % self.port.settings.decide_every_n_steps == 0
+
+    # ------------------------------------------------------------------------------------------ the step
+    def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
+        if self.gate is not None:  # the threshold for this batch's shape, before its forward
+            self.gate.before_micro_batch(trainer, batch, first=first)
+
+    def after_step(self, step: StepEnd) -> None:
+        """The controller's rung joins the step's figures; on a decision step it reads the activation line."""
+        step.metrics[step.key("checkpointing/level")] = float(self.controller.level)
+        if step.deciding:
+            self._decide(step)
+
+    def _decide(self, step: StepEnd) -> None:
+        reading = step.metrics.get(step.key("memory/activations_gib"))
+        if reading is None:
+            return
+        if self.gate is not None:
+            self.gate.after_step(round(reading * GiB))
+            if self.gate.raised:  # the step ran above the controller's rung: it says nothing of that rung
+                return
+        decision = self.controller.observe(reading * GiB)
+        if decision.changed:
+            self.port.change_plan(decision.policy)
+            plan = self.port.plan
+            self.port.info(f"step {step.trainer.global_step}: {decision.reason} ({plan.num_checkpointed}/"
+                           f"{plan.num_blocks} blocks checkpointed)")
+
+    # ------------------------------------------------------------------------------------------ the end
+    def report_section(self) -> Dict[str, Any]:
+        """The report's ``shape_gate``: per batch-shape bucket, the lowest policy the gate found."""
+        return {"shape_gate": self.gate.report()} if self.gate is not None and self.gate.needed else {}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The controller's state (primitives)."""
+        return self.controller.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """A checkpoint's controller: its rung is the plan from now on (a warning for each thing it could not
+        restore)."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        for note in self.controller.load_state_dict(state):
+            rank_zero_warn(f"lightning_ckpt: {note}")
+        self.port.change_plan(self.controller.policy)
+
+    def close(self) -> None:
+        if self.gate is not None:
+            self.gate.close()

@@ -1,0 +1,68 @@
+"""What every capability of the run implements: :class:`Feature`, and what it hears at a step's end, :class:`StepEnd`.
+
+The engine (:mod:`lightning_ckpt.lightning.engine`) owns the plan, the lifecycle and the measurement; each capability
+that decides something about the plan (a ``budget:`` policy's run, the auto-toggle) is one feature. The engine calls
+every feature it has at the same hooks, in one order, and a feature reaches the run only through its
+:class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no hook of the engine
+grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+    from lightning_ckpt.measure.monitor import StepResult
+
+__all__ = ["Feature", "StepEnd"]
+
+
+@dataclass
+class StepEnd:
+    """A measured optimizer step, at its end, as the features hear of it.
+
+    Attributes:
+        trainer: the Trainer.
+        result: the step's measurement (its ledger, its time).
+        metrics: the step's figures as they will be logged (reduced across ranks where they are); a feature adds its
+            own keys here.
+        key: a metric's full key from its name (the callback's ``prefix`` put in front).
+        deciding: whether this is a decision step of the auto-toggle (``decide_every_n_steps``).
+    """
+
+    trainer: "pl.Trainer"
+    result: "StepResult"
+    metrics: Dict[str, float]
+    key: Callable[[str], str]
+    deciding: bool
+
+
+class Feature:
+    """One capability of the run, called by the engine at each of these hooks (see the module docstring)."""
+
+    def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
+        """Before a micro-batch's forward (``first``: the first of an optimizer step): the plan it runs."""
+
+    def after_unmeasured_step(self, key: Callable[[str], str]) -> None:
+        """An optimizer step ended that was not measured."""
+
+    def after_step(self, step: StepEnd) -> None:
+        """A measured optimizer step ended: add its figures to ``step.metrics``, decide for the next one."""
+
+    def fit_end(self, trainer: "pl.Trainer") -> None:
+        """The fit ended normally."""
+
+    def report_section(self) -> Dict[str, Any]:
+        """Its sections of the end-of-fit report (JSON-ready), by name; none by default."""
+        return {}
+
+    def report_text(self, data: Dict[str, Any]) -> str:
+        """Its lines of the printed report (``data``: the whole report, its sections included), each starting with
+        a newline; none by default."""
+        return ""
+
+    def close(self) -> None:
+        """The run ends (normally or not): remove every hook it installed."""
