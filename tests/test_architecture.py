@@ -194,7 +194,7 @@ def test_no_function_of_the_lightning_layer_is_longer_than_60_lines():
     assert not long, long
 
 
-@pytest.mark.parametrize("module", ["gate", "shaped", "recovery", "budgeting", "autotoggle"])
+@pytest.mark.parametrize("module", ["gate", "shaped", "recovery", "budgeting", "autotoggle", "reporting"])
 def test_the_per_shape_features_reach_the_run_through_the_port_only(module):
     """Issue 38: ``ShapeGate`` and ``ShapeSteps`` held the engine (``engine: Any``) and read its attributes (the
     calibration, the controller, the last result, ...). They hold a ``PlanPort`` now: the plan, the one way to change

@@ -9,14 +9,19 @@ class and nothing else; the ``*_ac`` strategies put that same callback into ``tr
 are one code path: the same metrics, the same checks, the same report.
 
 Every change of plan (auto-toggle, budget, escalation, resume) goes through :meth:`CheckpointingEngine.change_plan`.
+
+What decides on the plan is a list of features (:class:`~lightning_ckpt.lightning.feature.Feature`): a ``budget:``
+policy's run (:mod:`~lightning_ckpt.lightning.budgeting`) and the auto-toggle
+(:mod:`~lightning_ckpt.lightning.autotoggle`), each called at every hook in one order. The out-of-memory guard
+(:mod:`~lightning_ckpt.lightning.recovery`) and the end-of-fit report (:mod:`~lightning_ckpt.lightning.reporting`)
+are objects of their own. All of them reach the run through one
+:class:`~lightning_ckpt.lightning.port.PlanPort`, never the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -27,15 +32,11 @@ from lightning_ckpt.core.offload import release_host_memory
 from lightning_ckpt.core.policy import MODES, Policy, compiler_modes, parse_policy
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
-from lightning_ckpt.decide.anatomy import anatomy_text, model_anatomy
-from lightning_ckpt.decide.budget import mode_mix
 from lightning_ckpt.decide.diagnosis import PhaseTracker
 from lightning_ckpt.decide.escalation import host_room, offload_refusal
-from lightning_ckpt.decide.report import ledger_report, length_reading, report_text
 from lightning_ckpt.decide.safety import preflight
 from lightning_ckpt.decide.shapes import bucket_of, shape_of
 from lightning_ckpt.decide.verify import verify_equivalence
-from lightning_ckpt.forecast.precision import parse_precision
 from lightning_ckpt.lightning import conflicts, shims
 from lightning_ckpt.lightning.autotoggle import AutoToggle
 from lightning_ckpt.lightning.budgeting import WHOLE_MODEL_COMPILE_BUDGET, BudgetFeature
@@ -50,20 +51,15 @@ from lightning_ckpt.lightning.compiled import (
     warn_cuda_graphs_once,
 )
 from lightning_ckpt.lightning.feature import Feature, StepEnd
-from lightning_ckpt.lightning.metrics import (
-    log_metrics,
-    log_step,
-    reduce_across_ranks,
-    tensorboard_layout,
-)
+from lightning_ckpt.lightning.metrics import log_metrics, log_step, reduce_across_ranks, tensorboard_layout
 from lightning_ckpt.lightning.port import PlanPort
 from lightning_ckpt.lightning.ranks import HostGroup
-from lightning_ckpt.lightning.recovery import StepGuard, measured_remedies_of
+from lightning_ckpt.lightning.recovery import StepGuard
+from lightning_ckpt.lightning.reporting import REPORT_FILE, TIMELINE_FILE, RunReport
 from lightning_ckpt.lightning.settings import Settings
 from lightning_ckpt.measure.ledger import state_tensors
 from lightning_ckpt.measure.meter import device_capacity
 from lightning_ckpt.measure.monitor import StepMonitor, StepResult
-from lightning_ckpt.measure.timeline import draw_timelines, matplotlib_available
 from lightning_ckpt.measure.tokens import count_samples, sequence_length
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,8 +67,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["REPORT_FILE", "STATE_VERSION", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
 
-REPORT_FILE = "lightning_ckpt_report.json"
-TIMELINE_FILE = "memory_timeline.png"
 STATE_VERSION = 1
 _STATE_KEYS = frozenset({"version", "policy", "plan_policy", "names", "modes", "controller", "budget"})
 _INSTRUMENTED = "_instrumented"  # reduced with the figures: whether some rank's step ran the per-op instrumentation
@@ -98,15 +92,13 @@ class CheckpointingEngine:
         self.monitor: Optional[StepMonitor] = None
         self.budget: Optional[BudgetFeature] = None  # budget: its calibration and plans per batch shape, this fit
         self.ranks = HostGroup()  # runs that agree between steps: a gloo group, so agreeing never waits for the device
-        self.last_attribution: Optional[Dict[str, Any]] = None  # the last reference step's peaks, named
         self._step_shape: Any = None
         self.phase = PhaseTracker()
         self.port = PlanPort(self)  # what the features (per-shape plans and gate, the guard) reach of the run
         self.guard = StepGuard(self.port, self.phase)  # out-of-memory errors, with snapshot_on_oom's record
+        self.record = RunReport(self.port, owner)  # what the end-of-fit report reads of the measured steps
         self.capacity: Optional[int] = settings.capacity_bytes
         self.last_metrics: Dict[str, float] = {}
-        self.last_result: Optional[StepResult] = None  # the last *measured* step's (the report's), this fit
-        self._last_step: Optional[tuple] = None  # (Lightning's step, logged) of last_result
         self._settling = False  # the step in flight settles what logged reference steps are owed (_settle_owed)
         self._owed: list = []  # logged reference steps whose time and throughput wait for an ordinary step's
         self._pending: Optional[Dict[str, Any]] = None  # restored state waiting for the plan to exist
@@ -116,9 +108,6 @@ class CheckpointingEngine:
         self._warned_no_logger = False
         self._handles: list = []  # forward pre-hook, replay hook
         self._logging = self._deciding = False
-        # per plan (modes): sequence length -> activation bytes per sample, for the report's reading of how they grow
-        # (one plan's lengths only: with per-shape plans a longer batch runs a stronger plan)
-        self._by_length: Dict[tuple, Dict[int, float]] = {}
         self.batch_shape: Optional[tuple] = None
 
     # ------------------------------------------------------------------------------------------ describing
@@ -144,6 +133,16 @@ class CheckpointingEngine:
         """A ``budget:`` policy's calibration (:class:`~lightning_ckpt.decide.calibration.BudgetCalibration`) this
         fit, or ``None``."""
         return self.budget.calibration if self.budget is not None else None
+
+    @property
+    def last_result(self) -> Optional[StepResult]:
+        """The last measured step's result this fit (the report's), or ``None``."""
+        return self.record.last_result
+
+    @property
+    def last_attribution(self) -> Optional[Dict[str, Any]]:
+        """The last reference step's peaks with their tensors named, or ``None``."""
+        return self.record.last_attribution
 
     @property
     def controller(self) -> Any:
@@ -218,7 +217,7 @@ class CheckpointingEngine:
         if self.plan is None:  # the strategy's setup was bypassed: apply now
             self.apply(trainer)
         s = self.settings
-        self.last_result = self.last_attribution = self._last_step = None  # each fit reports its own steps
+        self.record.start_fit()  # each fit reports its own steps
         self._owed = []
         device = trainer.strategy.root_device
         self._read_capacity_again(device)
@@ -431,12 +430,7 @@ class CheckpointingEngine:
                 feature.after_unmeasured_step(self._key)
             return
         result = self._as_compiled(result)
-        self.last_result, self._last_step = result, (log_step(trainer), self._logging)
-        if result.reading is not None and result.reading.attribution:  # a reference step: what its peaks held
-            self.last_attribution = {"step": trainer.global_step, "shape": self._step_shape,
-                                     "modes": self.plan.modes, "attribution": result.reading.attribution,
-                                     "timeline": result.reading.timeline}
-        self._note_length(result)
+        self.record.note(trainer, result, self._step_shape, self._logging)
         metrics = result.metrics(self.settings.prefix)
         group = self.ranks.group  # on the host where the run decides: see lightning/ranks.py
         if self._logging:  # every figure reduced across ranks: one collective
@@ -483,13 +477,6 @@ class CheckpointingEngine:
             return result
         return dataclasses.replace(result, ledger=result.ledger.with_activations(result.ledger.activations - savings))
 
-    def _note_length(self, result: StepResult) -> None:
-        length, samples = self.batch_shape or (None, 0)
-        if length and samples and result.ledger.activations:
-            per_sample = result.ledger.activations / samples
-            lengths = self._by_length.setdefault(self.plan.modes if self.plan is not None else (), {})
-            lengths[length] = max(lengths.get(length, 0.0), per_sample)
-
     def pause(self) -> None:
         """Validation starts: its time is no step's."""
         if self.monitor is not None:
@@ -522,69 +509,18 @@ class CheckpointingEngine:
     def fit_end(self, trainer: "pl.Trainer") -> None:
         for feature in self.features:
             feature.fit_end(trainer)
-        if self.settings.report and self.last_result is not None and self.last_result.ledger is not None:
+        if self.settings.report and self.record.measured:
             text = self.report(trainer)  # every rank: trainer.log_dir is a collective under DDP
             if trainer.is_global_zero:
                 print(text)
 
     def report(self, trainer: Optional["pl.Trainer"] = None) -> str:
         """The ledger report of the last measured step; with ``trainer`` rank zero also writes it as JSON."""
-        if self.last_result is None or self.last_result.ledger is None:
-            return "lightning_ckpt: no step has been measured yet."
-        plan = self.plan
-        widest = max(self._by_length.values(), key=len, default={})  # the plan seen at the most lengths
-        reading = length_reading(sorted(widest.items()))
-        data = ledger_report(self.last_result.ledger, plan.spec if plan else "none", self.settings.ladder,
-                             history={"activations_vs_seq_len": reading} if reading else None,
-                             all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks),
-                             remedies=measured_remedies_of(self.port))
-        for feature in self.features:
-            data.update(feature.report_section())
-        if self._last_step is not None:  # the step the report reads: Lightning's (TensorBoard's) step of it
-            data["step"], data["logged"] = self._last_step
-        if self.last_attribution is not None:
-            data["peak"] = self.peak_anatomy(trainer)
-        folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None
-        if folder is not None and trainer.is_global_zero:
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, REPORT_FILE), "w") as fh:
-                json.dump(data, fh, indent=2)
-            self._draw_timeline(trainer, folder)
-        text = report_text(data) + "".join(feature.report_text(data) for feature in self.features)
-        return text + ("\n" + anatomy_text(data["peak"]) if "peak" in data else "")
-
-    def _draw_timeline(self, trainer: "pl.Trainer", folder: str) -> None:
-        """The last reference step's memory over its operations: ``memory_timeline.png`` beside the report and a
-        TensorBoard image (when matplotlib is installed; :mod:`lightning_ckpt.measure.timeline`)."""
-        timeline = (self.last_attribution or {}).get("timeline")
-        if timeline is None or not matplotlib_available():
-            return
-        last = self.last_attribution
-        timeline.label = (f"step {last['step']}, batch {last['shape']}, plan {mode_mix(last['modes'])}")
-        figure = draw_timelines([timeline], os.path.join(folder, TIMELINE_FILE),
-                                f"{self.owner}: memory over one reference step")
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_figure("lightning_ckpt/memory_timeline", figure, global_step=last["step"])
-        import matplotlib.pyplot as plt
-
-        plt.close(figure)
+        return self.record.text(trainer, self.features)
 
     def peak_anatomy(self, trainer: Optional["pl.Trainer"] = None) -> Dict[str, Any]:
-        """The last reference step's attribution as the report's ``peak`` section
-        (:mod:`lightning_ckpt.decide.anatomy`): its tensors, the blocks in hidden-width tensors, the findings."""
-        last, module = self.last_attribution, self.module
-        shape = last["shape"]
-        try:  # the autocast dtype of Lightning's mixed precisions
-            autocast = parse_precision(str(trainer.precision)).autocast_dtype if trainer is not None else None
-        except ValueError:  # a plugin the forecast does not know (transformer-engine): the parameters' dtype
-            autocast = None
-        data = model_anatomy(last["attribution"], module, shape.samples, shape.lengths[0] if shape.lengths else None,
-                             self.plan.names, last["modes"], autocast)
-        data.update(step=last["step"], shape=str(shape), modes=list(last["modes"]))
-        return data
+        """The last reference step's attribution as the report's ``peak`` section."""
+        return self.record.peak_anatomy(trainer)
 
     def release(self, trainer: "pl.Trainer") -> None:
         """Remove every hook and shim this engine installed (teardown, or a run that raised)."""
