@@ -218,7 +218,7 @@ class BudgetFeature(Feature):
         the allocator's advice."""
         chosen = self.calibration.chosen
         text = f"\n  per block, as the budget chose:\n{chosen.summary()}" if chosen else ""
-        text += "\n" + budget_line(data["budget"])
+        text += "\n" + _budget_line(data["budget"])
         if "shape_plans" not in data:
             return text
         text += "\n  per batch shape (micro-batch x length, buckets of powers of two):\n" + self.shapes.planner.table()
@@ -259,7 +259,7 @@ class BudgetFeature(Feature):
             self._restore_dynamo = None
 
 
-def budget_line(figures: Dict[str, Any]) -> str:
+def _budget_line(figures: Dict[str, Any]) -> str:
     """The report's line on what the budget held: its worst step against it, the calibration, the longest length."""
     worst = figures.get("worst_step")
     parts = [f"worst step {format_bytes(worst)} ({figures['worst_step_ratio']:.0%} of the budget, the calibration's "

@@ -518,10 +518,6 @@ class CheckpointingEngine:
         """The ledger report of the last measured step; with ``trainer`` rank zero also writes it as JSON."""
         return self.record.text(trainer, self.features)
 
-    def peak_anatomy(self, trainer: Optional["pl.Trainer"] = None) -> Dict[str, Any]:
-        """The last reference step's attribution as the report's ``peak`` section."""
-        return self.record.peak_anatomy(trainer)
-
     def release(self, trainer: "pl.Trainer") -> None:
         """Remove every hook and shim this engine installed (teardown, or a run that raised)."""
         shims.remove_before_strategy_setup(trainer.strategy)

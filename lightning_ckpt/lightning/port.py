@@ -81,11 +81,10 @@ class PlanPort:
 
     def peak_anatomy(self) -> Optional[Dict[str, Any]]:
         """What the last reference step's activation peak held (the report's ``peak`` section); ``None`` before one."""
-        engine = self._engine
-        if engine.last_attribution is None:
+        record, module = self._engine.record, self._engine.module
+        if record.last_attribution is None:
             return None
-        module = engine.module
-        return engine.peak_anatomy(module.trainer if module is not None else None)
+        return record.peak_anatomy(module.trainer if module is not None else None)
 
     def restart_step(self) -> None:
         """Measure the open step again from now, under the plan it now runs (a retry after an out-of-memory error)."""
