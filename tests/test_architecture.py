@@ -194,7 +194,8 @@ def test_no_function_of_the_lightning_layer_is_longer_than_60_lines():
     assert not long, long
 
 
-@pytest.mark.parametrize("module", ["gate", "shaped", "recovery", "budgeting", "autotoggle", "reporting"])
+@pytest.mark.parametrize("module", ["gate", "shaped", "recovery", "budgeting", "autotoggle", "reporting", "measuring",
+                                    "compiling", "verifying"])
 def test_the_per_shape_features_reach_the_run_through_the_port_only(module):
     """Issue 38: ``ShapeGate`` and ``ShapeSteps`` held the engine (``engine: Any``) and read its attributes (the
     calibration, the controller, the last result, ...). They hold a ``PlanPort`` now: the plan, the one way to change
@@ -213,13 +214,17 @@ def test_the_engine_hears_its_features_through_one_interface():
     those hooks call every feature the same way."""
     from lightning_ckpt.lightning.autotoggle import AutoToggle
     from lightning_ckpt.lightning.budgeting import BudgetFeature
+    from lightning_ckpt.lightning.compiling import CompiledBlocks
     from lightning_ckpt.lightning.feature import Feature
+    from lightning_ckpt.lightning.verifying import Verification
 
-    assert issubclass(BudgetFeature, Feature) and issubclass(AutoToggle, Feature)
-    capabilities = {"budget", "toggle", "calibration", "shapes", "controller", "gate"}
+    assert all(issubclass(cls, Feature) for cls in (BudgetFeature, AutoToggle, CompiledBlocks, Verification))
+    # the step's hooks branched on verify and on compiled blocks too (self._verified, self._breaks_before)
+    capabilities = {"budget", "toggle", "calibration", "shapes", "controller", "gate", "verification", "compiled",
+                    "_verified", "_verify", "_breaks_before"}
     tree = ast.parse((PACKAGE / "lightning" / "engine.py").read_text())
     hooks = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
-    reached = {f"{name}: self.{node.attr}" for name in ("batch_end", "fit_end", "report", "release")
+    reached = {f"{name}: self.{node.attr}" for name in ("batch_start", "batch_end", "fit_end", "report", "release")
                for node in ast.walk(hooks[name]) if isinstance(node, ast.Attribute) and node.attr in capabilities
                and isinstance(node.value, ast.Name) and node.value.id == "self"}
     assert not reached, sorted(reached)

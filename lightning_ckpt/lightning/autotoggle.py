@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from lightning_ckpt.core.units import GiB
 from lightning_ckpt.decide.controller import Controller, resolve_threshold
-from lightning_ckpt.lightning.feature import Feature, StepEnd
+from lightning_ckpt.lightning.feature import Feature, StepEnd, StepNeeds
 from lightning_ckpt.lightning.gate import ShapeGate
 from lightning_ckpt.lightning.port import PlanPort
 
@@ -51,7 +51,7 @@ class AutoToggle(Feature):
         """The device's capacity read again (after the strategy's set-up): a fractional threshold follows it."""
         self.controller.threshold = resolve_threshold(self.port.settings.auto_threshold, capacity)
 
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """At fit start: the gate per batch shape (``per_shape``), and the ranks' host group the decisions agree
         through."""
         if self.port.settings.per_shape:
@@ -66,9 +66,11 @@ class AutoToggle(Feature):
         controller.level = level
         controller.since_switch = controller.calm_steps = 0
 
-    def deciding(self, global_step: int) -> bool:
-        """Whether the optimizer step ``global_step`` is one the controller decides on."""
-        return global_step % self.port.settings.decide_every_n_steps == 0
+    def step_needs(self, trainer: "pl.Trainer") -> StepNeeds:
+        """A decision step (every ``decide_every_n_steps``-th optimizer step) is measured, its activation line agreed
+        across ranks."""
+        deciding = trainer.global_step % self.port.settings.decide_every_n_steps == 0
+        return StepNeeds(measure=deciding, decide=deciding)
 
     # ------------------------------------------------------------------------------------------ the step
     def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:

@@ -25,6 +25,7 @@ block of the chosen plan, and the per-shape figures of :mod:`lightning_ckpt.ligh
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
 
 import torch
@@ -34,13 +35,15 @@ from lightning_ckpt.core.units import GiB, format_bytes
 from lightning_ckpt.decide.budget import mode_mix
 from lightning_ckpt.decide.calibration import COMPILER_FRACTIONS, BudgetCalibration
 from lightning_ckpt.lightning.compiled import blocks_in_one_compiled_graph, compiled_block_caller, room_for_plans
-from lightning_ckpt.lightning.feature import Feature, StepEnd
+from lightning_ckpt.lightning.feature import NOTHING, Feature, StepEnd, StepNeeds
 from lightning_ckpt.lightning.metrics import block_metrics
 from lightning_ckpt.lightning.port import PlanPort
 from lightning_ckpt.lightning.shaped import ShapeSteps
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
+
+    from lightning_ckpt.measure.monitor import StepResult
 
 __all__ = ["WHOLE_MODEL_COMPILE_BUDGET", "BudgetFeature"]
 
@@ -112,8 +115,11 @@ class BudgetFeature(Feature):
         """The calibration has not chosen and verified its plan yet."""
         return not self.calibration.done
 
-    @property
-    def exact_step(self) -> Any:
+    def step_needs(self, trainer: "pl.Trainer") -> StepNeeds:
+        """A calibration step is measured with compiled code run eagerly (the blocks' hooks read each block)."""
+        return StepNeeds(measure=True, eager=True) if self.calibrating else NOTHING
+
+    def exact_reading(self) -> Any:
         """What the step monitor reads exactly on a calibration step (``None`` once the calibration is done)."""
         return self.calibration.exact_step if self.calibrating else None
 
@@ -130,6 +136,16 @@ class BudgetFeature(Feature):
         its shape)."""
         savings = self.shapes.compiled_savings(modes) if self.shapes is not None else None
         return self.calibration.compiled_savings(modes) if savings is None else savings
+
+    def read_step(self, result: "StepResult") -> "StepResult":
+        """The step's figures with the ``compiler:<f>`` blocks' measured savings (at the step's shape, under per-shape
+        plans) taken off the activation line. Its figure is counted eagerly (the plan's reference step, or that figure
+        reused: the compiled step's saved tensors would miss the recompute inside those blocks' backward), where those
+        blocks run ``off``."""
+        savings = self.compiled_savings(self.port.plan.modes)
+        if not savings or result.ledger.activations is None or not getattr(result.reading, "eager_figure", False):
+            return result
+        return dataclasses.replace(result, ledger=result.ledger.with_activations(result.ledger.activations - savings))
 
     def after_unmeasured_step(self, key: Callable[[str], str]) -> None:
         """A step that was not measured still counts in its bucket."""

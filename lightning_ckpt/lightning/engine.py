@@ -10,66 +10,51 @@ are one code path: the same metrics, the same checks, the same report.
 
 Every change of plan (auto-toggle, budget, escalation, resume) goes through :meth:`CheckpointingEngine.change_plan`.
 
-What decides on the plan is a list of features (:class:`~lightning_ckpt.lightning.feature.Feature`): a ``budget:``
-policy's run (:mod:`~lightning_ckpt.lightning.budgeting`) and the auto-toggle
-(:mod:`~lightning_ckpt.lightning.autotoggle`), each called at every hook in one order. The out-of-memory guard
+Each capability is a feature (:class:`~lightning_ckpt.lightning.feature.Feature`), called at every hook in one
+order: ``verify`` (:mod:`~lightning_ckpt.lightning.verifying`), the blocks compiled one by one
+(:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run (:mod:`~lightning_ckpt.lightning.budgeting`)
+and the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`). The measurement of each step
+(:mod:`~lightning_ckpt.lightning.measuring`) hands the measured steps to them; the out-of-memory guard
 (:mod:`~lightning_ckpt.lightning.recovery`) and the end-of-fit report (:mod:`~lightning_ckpt.lightning.reporting`)
-are objects of their own. All of them reach the run through one
-:class:`~lightning_ckpt.lightning.port.PlanPort`, never the engine.
+are objects of their own. All of them reach the run through one :class:`~lightning_ckpt.lightning.port.PlanPort`,
+never the engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Union
-
-import torch
-from torch.utils._pytree import tree_flatten
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 from lightning_ckpt.core.offload import release_host_memory
-from lightning_ckpt.core.policy import MODES, Policy, compiler_modes, parse_policy
+from lightning_ckpt.core.policy import Policy, parse_policy
 from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
 from lightning_ckpt.decide.diagnosis import PhaseTracker
 from lightning_ckpt.decide.escalation import host_room, offload_refusal
 from lightning_ckpt.decide.safety import preflight
-from lightning_ckpt.decide.shapes import bucket_of, shape_of
-from lightning_ckpt.decide.verify import verify_equivalence
 from lightning_ckpt.lightning import conflicts, shims
 from lightning_ckpt.lightning.autotoggle import AutoToggle
 from lightning_ckpt.lightning.budgeting import WHOLE_MODEL_COMPILE_BUDGET, BudgetFeature
-from lightning_ckpt.lightning.compiled import (
-    blocks_in_one_compiled_graph,
-    compile_blocks_one_by_one,
-    compiled_block_caller,
-    cuda_graphs_in_use,
-    graph_breaks_so_far,
-    model_compiles,
-    warn_checkpoint_graph_breaks,
-    warn_cuda_graphs_once,
-)
-from lightning_ckpt.lightning.feature import Feature, StepEnd
-from lightning_ckpt.lightning.metrics import log_metrics, log_step, reduce_across_ranks, tensorboard_layout
+from lightning_ckpt.lightning.compiling import CompiledBlocks
+from lightning_ckpt.lightning.feature import Feature
+from lightning_ckpt.lightning.measuring import StepMeasurement
 from lightning_ckpt.lightning.port import PlanPort
 from lightning_ckpt.lightning.ranks import HostGroup
 from lightning_ckpt.lightning.recovery import StepGuard
 from lightning_ckpt.lightning.reporting import REPORT_FILE, TIMELINE_FILE, RunReport
 from lightning_ckpt.lightning.settings import Settings
-from lightning_ckpt.measure.ledger import state_tensors
+from lightning_ckpt.lightning.verifying import Verification
 from lightning_ckpt.measure.meter import device_capacity
 from lightning_ckpt.measure.monitor import StepMonitor, StepResult
-from lightning_ckpt.measure.tokens import count_samples, sequence_length
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
+    import torch
 
 __all__ = ["REPORT_FILE", "STATE_VERSION", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
 
 STATE_VERSION = 1
 _STATE_KEYS = frozenset({"version", "policy", "plan_policy", "names", "modes", "controller", "budget"})
-_INSTRUMENTED = "_instrumented"  # reduced with the figures: whether some rank's step ran the per-op instrumentation
 
 
 class CheckpointingEngine:
@@ -89,26 +74,20 @@ class CheckpointingEngine:
         self.on_accelerator = False
         self._skipped: list = []
         self.toggle: Optional[AutoToggle] = None  # auto_threshold: the controller and its gate per batch shape
-        self.monitor: Optional[StepMonitor] = None
         self.budget: Optional[BudgetFeature] = None  # budget: its calibration and plans per batch shape, this fit
         self.ranks = HostGroup()  # runs that agree between steps: a gloo group, so agreeing never waits for the device
-        self._step_shape: Any = None
         self.phase = PhaseTracker()
-        self.port = PlanPort(self)  # what the features (per-shape plans and gate, the guard) reach of the run
+        self.port = PlanPort(self)  # what the features, the guard, the measurement and the report reach of the run
         self.guard = StepGuard(self.port, self.phase)  # out-of-memory errors, with snapshot_on_oom's record
         self.record = RunReport(self.port, owner)  # what the end-of-fit report reads of the measured steps
+        self.measurement = StepMeasurement(self.port, self.record)  # which steps are measured, their figures
+        self.compiled = CompiledBlocks(self.port)
+        self.verification = Verification(self.port, owner) if settings.verify else None
         self.capacity: Optional[int] = settings.capacity_bytes
-        self.last_metrics: Dict[str, float] = {}
-        self._settling = False  # the step in flight settles what logged reference steps are owed (_settle_owed)
-        self._owed: list = []  # logged reference steps whose time and throughput wait for an ordinary step's
         self._pending: Optional[Dict[str, Any]] = None  # restored state waiting for the plan to exist
         self._budget_state: Optional[Dict[str, Any]] = None  # a budget's saved calibration, for fit start
         self._applied_in_run = False
-        self._verified = False
-        self._warned_no_logger = False
         self._handles: list = []  # forward pre-hook, replay hook
-        self._logging = self._deciding = False
-        self.batch_shape: Optional[tuple] = None
 
     # ------------------------------------------------------------------------------------------ describing
     @property
@@ -124,9 +103,6 @@ class CheckpointingEngine:
         from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
         rank_zero_info(f"lightning_ckpt: {message}")
-
-    def _key(self, name: str) -> str:
-        return f"{self.settings.prefix}/{name}" if self.settings.prefix else name
 
     @property
     def calibration(self) -> Any:
@@ -156,8 +132,19 @@ class CheckpointingEngine:
 
     @property
     def features(self) -> List[Feature]:
-        """The capabilities deciding on the plan this fit, in the order they hear each hook."""
-        return [feature for feature in (self.budget, self.toggle) if feature is not None]
+        """The capabilities of this fit, in the order they hear each hook."""
+        return [feature for feature in (self.verification, self.compiled, self.budget, self.toggle)
+                if feature is not None]
+
+    @property
+    def monitor(self) -> Optional[StepMonitor]:
+        """This fit's step monitor (:mod:`lightning_ckpt.measure.monitor`), or ``None`` before the fit."""
+        return self.measurement.monitor
+
+    @property
+    def last_metrics(self) -> Dict[str, float]:
+        """The figures of the last measured step, as logged (reduced across ranks where they were)."""
+        return self.measurement.last_metrics
 
     @property
     def shapes(self) -> Any:
@@ -198,9 +185,7 @@ class CheckpointingEngine:
         self.plan = apply_policy(model, self.policy, self.settings.blocks, preserve_rng_state=o.preserve_rng_state,
                                  determinism_check=o.determinism_check, debug=o.debug)
         self._applied_in_run = True
-        if self.settings.compile_blocks:
-            for change in compile_blocks_one_by_one(model, self.plan.blocks):
-                self.info(f"compile_blocks: {change}")
+        self.compiled.plan_applied(trainer)
         self.capacity = self.settings.capacity_bytes or device_capacity(trainer.strategy.root_device)
         if self.settings.auto_threshold is not None:
             self.toggle = AutoToggle(self.port, self.capacity)
@@ -217,18 +202,8 @@ class CheckpointingEngine:
         if self.plan is None:  # the strategy's setup was bypassed: apply now
             self.apply(trainer)
         s = self.settings
-        self.record.start_fit()  # each fit reports its own steps
-        self._owed = []
-        device = trainer.strategy.root_device
-        self._read_capacity_again(device)
-        graphs = cuda_graphs_in_use(pl_module) if device.type == "cuda" else None  # the allocator's lines: see there
-        if graphs is not None:
-            warn_cuda_graphs_once(graphs)
-        # compared after each step (see batch_end), only where something is compiled: no work on eager steps
-        self._breaks_before = graph_breaks_so_far() if model_compiles(pl_module) else None
-        self.monitor = StepMonitor(device, tokens_fn=s.tokens_fn, capacity=self.capacity,
-                                   exact_every_n_steps=s.exact_every_n_steps, allocator_note=graphs)
-        self.monitor.watch(pl_module)
+        self._read_capacity_again(trainer.strategy.root_device)
+        self.measurement.start(trainer, pl_module, self.capacity)
         self._release_handles()
         self._handles.append(register_replay_hook(self.guard.note_replay))
         if self.plan.blocks:
@@ -238,27 +213,11 @@ class CheckpointingEngine:
             self.budget = BudgetFeature(self.port, self.monitor.meter, trainer, pl_module, saved)
         if s.snapshot_on_oom:
             self.guard.record(trainer)
-        if self.toggle is not None:
-            self.toggle.setup(trainer)
+        for feature in self.features:
+            feature.fit_start(trainer, pl_module)
         self.guard.configure(trainer, self.calibration, self.controller, self.gate)
-        self._check_compiler_modes(pl_module)
         if s.measure:
-            self._prepare_loggers(trainer)
-
-    def _prepare_loggers(self, trainer: "pl.Trainer") -> None:
-        """Warn once when nothing will keep the curves; give TensorBoard its layout (rank zero)."""
-        if not trainer.loggers and not self._warned_no_logger:
-            self._warned_no_logger = True
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-            rank_zero_warn("lightning_ckpt: measure=True but the Trainer has no logger, so the memory curves are not "
-                           "saved; pass a logger (e.g. TensorBoardLogger) or measure=False.")
-        if trainer.is_global_zero:
-            from lightning.pytorch.loggers import TensorBoardLogger
-
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_custom_scalars(tensorboard_layout(self.settings.prefix))
+            self.measurement.prepare_loggers(trainer)
 
     def _read_capacity_again(self, device: torch.device) -> None:
         """The capacity once the strategy is set up: DDP's first broadcast made NCCL's communicator buffers, which
@@ -273,25 +232,6 @@ class CheckpointingEngine:
         self.capacity = capacity
         if self.toggle is not None:
             self.toggle.resize(capacity)
-
-    def _check_compiler_modes(self, pl_module: "pl.LightningModule") -> None:
-        """``compiler:<f>`` blocks in a fixed plan: refused inside one whole-model graph (PyTorch takes one budget
-        per graph, covering all of it, and fails at the first compile); a warning when the blocks run eagerly."""
-        modes = compiler_modes(self.plan.modes)
-        if not modes:
-            return
-        if blocks_in_one_compiled_graph(pl_module, self.plan.blocks):
-            raise ValueError(
-                f"policy {self.policy.spec!r} puts blocks in modes {modes}, but the whole model is one compiled graph, "
-                "where PyTorch applies one activation memory budget covering the whole graph. Pass compile_blocks=True "
-                "(each block its own graph, with your backend and options), compile block by block yourself (for "
-                "block in blocks: block.compile()) instead of torch.compile(model), or use the modes "
-                f"{[m for m in MODES if m != 'offload']} with a whole-model compile.")
-        sharded = any(conflicts.is_fsdp_module(m) for m in pl_module.modules())  # no block caller: not "eager"
-        if compiled_block_caller(pl_module, self.plan.blocks) is None and not sharded:
-            warnings.warn(f"lightning_ckpt: policy {self.policy.spec!r} uses {modes}, which act only on blocks "
-                          "compiled one by one (block.compile()); these blocks run eagerly, so they run as 'off'.",
-                          RuntimeWarning, stacklevel=2)
 
     def _reachable_policies(self) -> list:
         """The policies this run may apply: the starting one, and the ladder when the plan can change."""
@@ -329,181 +269,34 @@ class CheckpointingEngine:
     # ------------------------------------------------------------------------------------------ the step
     def batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                     batch_idx: int) -> None:
-        if self.settings.verify and not self._verified:
-            self._verify(pl_module, batch, batch_idx)
+        for feature in self.features:
+            feature.before_batch(pl_module, batch, batch_idx)
         self.phase.batch_start()
-        if self.monitor is None:
-            return
-        size = None  # a later micro-batch's size, for a measured step
-        if not self.monitor.in_step:
-            self.batch_shape = (sequence_length(batch), count_samples(batch))
-            calibrating = self.budget is not None and self.budget.calibrating
-            for feature in self.features:  # the plan for this batch, before its forward
-                feature.before_micro_batch(trainer, batch, first=True)
-            self._logging, self._deciding = self._step_kind(trainer)
-            # owed the time of a logged reference step: timed, and its figures reduced (not logged) at its end
-            self._settling = bool(self._owed)
-            # block hooks measure the calibration steps: compiled code runs eagerly for them; the fit's first step is
-            # measured for the report (a fit shorter than log_every_n_steps logs none)
-            first = self.settings.measure and self.settings.report and self.last_result is None
-            measured = self._logging or self._deciding or calibrating or first
-            self._step_shape = shape_of(batch, self.settings.shape_fn) if measured else None
-            self.monitor.begin_step(measure=measured, key=self._step_key(trainer, batch) if measured else None,
-                                    size=self._step_shape.tokens if measured else None,
-                                    attribute=self.plan.names if self.plan is not None else (),
-                                    eager=calibrating, tokens=self._logging,
-                                    state=state_tensors(pl_module, trainer.optimizers), batch=_tensors_in(batch),
-                                    exact=self.budget.exact_step if calibrating else None,
-                                    hidden_recompute=bool(compiler_modes(self.plan.modes)))
-        else:  # the next micro-batch of an accumulation window
-            for feature in self.features:
-                feature.before_micro_batch(trainer, batch, first=False)
-            self.monitor.phase("forward")
-            if self._step_shape is not None:  # measured: the step's size is its largest micro-batch's (meter.grow)
-                size = self._grow_step(batch)
-        self.monitor.add_batch(batch, size)
-
-    def _grow_step(self, batch: Any) -> float:
-        """A later micro-batch of a measured step: its tokens, and its (length, samples) for the report's reading
-        of lengths when it is the step's largest yet (the step's activation peak is that micro-batch's)."""
-        size = shape_of(batch, self.settings.shape_fn).tokens
-        length, samples = sequence_length(batch), count_samples(batch)
-        if length and samples and length * samples > math.prod(v or 0 for v in self.batch_shape or (0,)):
-            self.batch_shape = (length, samples)
-        return size
-
-    def _step_key(self, trainer: "pl.Trainer", batch: Any) -> tuple:
-        """What determines a step's memory: the plan, the batch's shape bucket (of ``_step_shape``, read once) and
-        dtypes (not its exact shape: with dynamic padding every length would be a new key, each first step of a key
-        an exact, slow one), the precision, the accumulation, and whether the optimizer state exists yet (the first
-        step creates it: its phase peaks are not the steady state's, so the second step is the steady state's
-        reference)."""
-        plan = self.plan
-        layout = (plan.modes, plan.layout.groups, plan.layout.save_ops) if plan is not None else None
-        dtypes = tuple(t.dtype for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
-        bucket = bucket_of(self._step_shape)
-        steady = all(bool(getattr(opt, "state", None)) for opt in trainer.optimizers)
-        return layout, bucket, dtypes, str(trainer.precision), trainer.accumulate_grad_batches, steady
-
-    def _step_kind(self, trainer: "pl.Trainer") -> tuple:
-        """(logging step, decision step) for the optimizer step that starts now."""
-        logging = bool(self.settings.measure and trainer._logger_connector.should_update_logs)
-        deciding = self.toggle is not None and self.toggle.deciding(trainer.global_step)
-        return logging, deciding
+        self.measurement.begin(trainer, pl_module, batch, self.features)
 
     def before_backward(self) -> None:
         self.phase.backward_start()
-        if self.monitor is not None:
-            self.monitor.phase("backward")
+        self.measurement.phase("backward")
 
     def before_optimizer_step(self) -> None:
         self.phase.optimizer_step_start()
-        if self.monitor is not None:
-            self.monitor.phase("optimizer")
-
-    def restart_step(self) -> None:
-        """The guard retries the open step under a new plan (:mod:`lightning_ckpt.lightning.recovery`): its
-        measurement starts over, keyed by the plan it now runs (the layout part of :meth:`_step_key`; the batch, the
-        precision, the accumulation and the optimizer state are the step's own still)."""
-        if self.monitor is None or not self.monitor.in_step or self.plan is None:
-            return
-        plan, key = self.plan, self.monitor.meter.key
-        if key is not None:
-            key = ((plan.modes, plan.layout.groups, plan.layout.save_ops), *key[1:])
-        module = self.module
-        state = state_tensors(module, module.trainer.optimizers) if module is not None else ()
-        self.monitor.restart_step(key=key, state=state, hidden_recompute=bool(compiler_modes(plan.modes)))
+        self.measurement.phase("optimizer")
 
     def batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """After the last micro-batch of an optimizer step: read, reduce, log and decide."""
-        if getattr(self, "_breaks_before", None) is not None:  # a step compiled (not always the first): name breaks
-            self._breaks_before = warn_checkpoint_graph_breaks(
-                pl_module, self.plan.num_checkpointed if self.plan else 0, self._breaks_before)
-        if trainer.fit_loop._should_accumulate() or self.monitor is None or not self.monitor.in_step:
+        """After each micro-batch; after the last of an optimizer step: measure, reduce, log and decide."""
+        for feature in self.features:
+            feature.after_micro_batch(trainer, pl_module)
+        if trainer.fit_loop._should_accumulate() or not self.measurement.in_step:
             return
         self.phase.optimizer_step_end()
-        plan = self.plan
-        result = self.monitor.end_step(pl_module, trainer.optimizers, plan.num_checkpointed if plan else 0)
-        self._settle_owed(trainer, result)
-        if result.ledger is None:  # not measured: the report keeps the last measured step
-            for feature in self.features:
-                feature.after_unmeasured_step(self._key)
-            return
-        result = self._as_compiled(result)
-        self.record.note(trainer, result, self._step_shape, self._logging)
-        metrics = result.metrics(self.settings.prefix)
-        group = self.ranks.group  # on the host where the run decides: see lightning/ranks.py
-        if self._logging:  # every figure reduced across ranks: one collective
-            metrics = reduce_across_ranks(trainer.strategy, {**metrics, _INSTRUMENTED: float(result.instrumented)},
-                                          group=group)
-            if metrics.pop(_INSTRUMENTED):  # a rank ran the per-op instrumentation: an ordinary step times this one
-                metrics = {k: v for k, v in metrics.items() if k not in result.throughput(self.settings.prefix)}
-                self._owed.append(log_step(trainer))
-                self.monitor.owed = True
-        elif self._deciding:  # only the activation line: one collective of one float
-            key = self._key("memory/activations_gib")
-            metrics = dict(metrics, **reduce_across_ranks(trainer.strategy, {key: metrics[key]}, group=group))
-        step = StepEnd(trainer, result, metrics, self._key, self._deciding)
-        for feature in self.features:  # their figures join the step's; they decide for the next step
-            feature.after_step(step)
-        self.last_metrics = metrics
-        if self._logging:
-            log_metrics(trainer, metrics, self.settings.prefix)
-
-    def _settle_owed(self, trainer: "pl.Trainer", result: StepResult) -> None:
-        """The time and throughput of the logged reference steps waiting for them, from this step when it is an
-        ordinary one on every rank: logged at each of those steps (their own figures held the per-op instrumentation,
-        3-4x slow). Every rank gets here at the same steps (the owed steps were agreed by the reduction)."""
-        if not self._owed:
-            return
-        figures = {self._key("throughput/samples_per_sec"): 0.0, self._key("time/step_s"): 0.0}
-        figures.update(result.throughput(self.settings.prefix))
-        figures[_INSTRUMENTED] = float(result.instrumented or result.step_s is None)
-        figures = reduce_across_ranks(trainer.strategy, figures, group=self.ranks.group)
-        if figures.pop(_INSTRUMENTED):  # this step ran it too: the next ordinary one times them all
-            return
-        for step in self._owed:
-            log_metrics(trainer, figures, self.settings.prefix, step=step)
-        self.last_metrics.update(figures)
-        self._owed, self.monitor.owed = [], False
-
-    def _as_compiled(self, result: StepResult) -> StepResult:
-        """The step's figures with the ``compiler:<f>`` blocks' measured savings (at the step's shape, under per-shape
-        plans) taken off the activation line. Its figure is counted eagerly (the plan's reference step, or that figure
-        reused: the compiled step's saved tensors would miss the recompute inside those blocks' backward), where those
-        blocks run ``off``."""
-        savings = self.budget.compiled_savings(self.plan.modes) if self.budget is not None else 0
-        if not savings or result.ledger.activations is None or not getattr(result.reading, "eager_figure", False):
-            return result
-        return dataclasses.replace(result, ledger=result.ledger.with_activations(result.ledger.activations - savings))
+        self.measurement.end(trainer, pl_module, self.features)
 
     def pause(self) -> None:
         """Validation starts: its time is no step's."""
-        if self.monitor is not None:
-            self.monitor.pause()
+        self.measurement.pause()
 
     def resume(self) -> None:
-        if self.monitor is not None:  # only the validation run is cut out; the next batch's loading still counts
-            self.monitor.resume()
-
-    def _verify(self, pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        """``verify=True``: every checkpointed block of the plan against itself plain, on the first batch, inside the
-        precision plugin's training-step context (its autocast), block by block within the checkpointed step's
-        memory (:mod:`lightning_ckpt.decide.verify`)."""
-        self._verified = True
-        if self.plan is None or not self.plan.num_checkpointed:
-            return
-        sharded = next((name for name, m in pl_module.named_modules() if conflicts.is_fsdp_module(m)), None)
-        if sharded is not None:
-            raise ValueError(
-                f"{self.owner}(verify=True): verify the plan without FSDP (the same policy on one device), then drop "
-                f"verify=True here; {sharded or type(pl_module).__name__!r} is sharded by FSDP, and verify runs each "
-                "checkpointed block alone, outside the root's forward, where FSDP cannot gather its parameters.")
-        trainer = pl_module.trainer
-        report = verify_equivalence(
-            pl_module, self.plan, lambda: pl_module.training_step(batch, batch_idx),
-            context=trainer.strategy.precision_plugin.train_step_context, precision=str(trainer.precision))
-        self.info("verify: every checkpointed block agrees with its plain run\n" + report.table())
+        self.measurement.resume()
 
     # ------------------------------------------------------------------------------------------ the end
     def fit_end(self, trainer: "pl.Trainer") -> None:
@@ -529,8 +322,7 @@ class CheckpointingEngine:
             feature.close()
         self.ranks.close()
         self.guard.close()
-        if self.monitor is not None:
-            self.monitor.close()
+        self.measurement.close()
 
     def _release_handles(self) -> None:
         for handle in self._handles:
@@ -610,6 +402,3 @@ def _check_state(state: Any) -> Optional[Dict[str, Any]]:
     return state
 
 
-def _tensors_in(batch: Any) -> Iterator[torch.Tensor]:
-    """The batch's tensors (read lazily, on exact steps only)."""
-    yield from (t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))

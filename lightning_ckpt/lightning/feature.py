@@ -1,7 +1,8 @@
 """What every capability of the run implements: :class:`Feature`, and what it hears at a step's end, :class:`StepEnd`.
 
-The engine (:mod:`lightning_ckpt.lightning.engine`) owns the plan, the lifecycle and the measurement; each capability
-that decides something about the plan (a ``budget:`` policy's run, the auto-toggle) is one feature. The engine calls
+The engine (:mod:`lightning_ckpt.lightning.engine`) owns the plan and the lifecycle; the measurement of each step
+(:mod:`lightning_ckpt.lightning.measuring`) hands every measured step to the features. Each capability (``verify``,
+the blocks compiled one by one, a ``budget:`` policy's run, the auto-toggle) is one feature. The engine calls
 every feature it has at the same hooks, in one order, and a feature reaches the run only through its
 :class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no hook of the engine
 grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
@@ -17,7 +18,25 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lightning_ckpt.measure.monitor import StepResult
 
-__all__ = ["Feature", "StepEnd"]
+__all__ = ["NOTHING", "Feature", "StepEnd", "StepNeeds"]
+
+
+@dataclass(frozen=True)
+class StepNeeds:
+    """What a feature needs of the optimizer step about to start.
+
+    Attributes:
+        measure: its memory is read (the step's ledger is built).
+        decide: it is a decision step: its activation line is agreed across ranks before the feature decides.
+        eager: compiled code runs eagerly, so the blocks' hooks see each block (a calibration's readings).
+    """
+
+    measure: bool = False
+    decide: bool = False
+    eager: bool = False
+
+
+NOTHING = StepNeeds()  # what a feature needs of a step it has no part in
 
 
 @dataclass
@@ -43,8 +62,33 @@ class StepEnd:
 class Feature:
     """One capability of the run, called by the engine at each of these hooks (see the module docstring)."""
 
+    def plan_applied(self, trainer: "pl.Trainer") -> None:
+        """The plan was just applied to the model, before the strategy wraps it."""
+
+    def fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """A fit starts (the strategy is set up, the step measurement exists)."""
+
+    def before_batch(self, pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        """A training batch is about to run, before anything of its step is measured."""
+
+    def step_needs(self, trainer: "pl.Trainer") -> StepNeeds:
+        """What it needs of the optimizer step about to start (a pure read, asked before its plan is set)."""
+        return NOTHING
+
+    def exact_reading(self) -> Any:
+        """What a measured step must read exactly, asked once its plan is set (``None``: the usual rhythm,
+        ``exact_every_n_steps``)."""
+        return None
+
     def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
         """Before a micro-batch's forward (``first``: the first of an optimizer step): the plan it runs."""
+
+    def after_micro_batch(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """A training batch ended (every micro-batch, whether or not it ends an optimizer step)."""
+
+    def read_step(self, result: "StepResult") -> "StepResult":
+        """A measured step's figures as this feature corrects them, before anyone reads them."""
+        return result
 
     def after_unmeasured_step(self, key: Callable[[str], str]) -> None:
         """An optimizer step ended that was not measured."""

@@ -72,12 +72,12 @@ class PlanPort:
     @property
     def last_metrics(self) -> Dict[str, float]:
         """The figures of the last measured step, as logged (reduced across ranks where they were)."""
-        return self._engine.last_metrics
+        return self._engine.measurement.last_metrics
 
     @property
     def batch_shape(self) -> "Optional[Tuple[Optional[int], int]]":
         """(sequence length, samples) of the open step's largest micro-batch, where the batch says."""
-        return self._engine.batch_shape
+        return self._engine.measurement.batch_shape
 
     def peak_anatomy(self) -> Optional[Dict[str, Any]]:
         """What the last reference step's activation peak held (the report's ``peak`` section); ``None`` before one."""
@@ -88,7 +88,7 @@ class PlanPort:
 
     def restart_step(self) -> None:
         """Measure the open step again from now, under the plan it now runs (a retry after an out-of-memory error)."""
-        self._engine.restart_step()
+        self._engine.measurement.restart()
 
     def set_modes(self, modes: Sequence[str]) -> None:
         """Put the blocks in ``modes``, with the plan's safety check (the one way a feature changes modes)."""

@@ -160,7 +160,7 @@ def test_batchnorm_in_a_checkpointed_block_warns_in_the_trainer(tmp_path):
 def test_verify_passes_on_a_correct_model_and_raises_on_a_mutable_block(tmp_path):
     cb = ActivationCheckpointing(policy="all", verify=True)
     Trainer(**trainer_kwargs(tmp_path, max_steps=2), callbacks=[cb]).fit(TinyTransformer(dropout=0.1))
-    assert cb._engine._verified
+    assert cb._engine.verification.verified
 
     from lightning_ckpt.decide.verify import EquivalenceError
 

@@ -181,9 +181,9 @@ class CountLogging(Callback):
         self.gathers = self.logs = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        engine = self.cb._engine
-        self.rows.append({"step": trainer.global_step - 1, "logging": engine._logging, "gathers": self.gathers,
-                          "logs": self.logs, "metrics": dict(self.cb.last_metrics) if engine._logging else None})
+        logging = self.cb._engine.measurement.logging
+        self.rows.append({"step": trainer.global_step - 1, "logging": logging, "gathers": self.gathers,
+                          "logs": self.logs, "metrics": dict(self.cb.last_metrics) if logging else None})
 
     def on_train_end(self, trainer, pl_module):
         import json

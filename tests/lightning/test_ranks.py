@@ -97,8 +97,8 @@ class _GathersPerStep(Callback):
         self.calls = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        engine = self.cb._engine
-        self.rows.append({"deciding": engine._deciding, "logging": engine._logging, "host": list(self.calls)})
+        measurement = self.cb._engine.measurement
+        self.rows.append({"deciding": measurement.deciding, "logging": measurement.logging, "host": list(self.calls)})
 
     def on_train_end(self, trainer, pl_module):
         self._restore()

@@ -609,9 +609,9 @@ class SyncCounter(Callback):
         self.last = (trainer.global_step, self.count)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        engine = self.engine_of(trainer)
+        measurement = self.engine_of(trainer).measurement
         # a step settling a logged reference step's time reduces it across ranks: it is busy too
-        self.last = (self.last[0], engine._logging or engine._settling, engine._deciding, self.last[1])
+        self.last = (self.last[0], measurement.logging or measurement.settling, measurement.deciding, self.last[1])
 
     def on_train_end(self, trainer, pl_module):
         import json
@@ -660,7 +660,8 @@ class SyncDebugOnQuietSteps(Callback):
         self.engine, self.quiet_steps = cb._engine, 0
 
     def _quiet(self) -> bool:
-        return not (self.engine._logging or self.engine._deciding or self.engine._settling)
+        measurement = self.engine.measurement
+        return not (measurement.logging or measurement.deciding or measurement.settling)
 
     def _guard(self, fn, quiet):
         def run(*args, **kwargs):
@@ -678,7 +679,8 @@ class SyncDebugOnQuietSteps(Callback):
     def on_train_start(self, trainer, pl_module):
         engine = self.engine
         # batch_start decides the kind of its step: ask the engine first (a pure read) whether it will be quiet
-        engine.batch_start = self._guard(engine.batch_start, lambda: not any(engine._step_kind(trainer)))
+        engine.batch_start = self._guard(
+            engine.batch_start, lambda: not any(engine.measurement.step_kind(trainer, engine.features)))
         for name in ("before_backward", "before_optimizer_step", "batch_end"):
             setattr(engine, name, self._guard(getattr(engine, name), self._quiet))
         for block in engine.plan.blocks:

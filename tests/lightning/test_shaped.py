@@ -192,7 +192,7 @@ def test_the_allocators_cache_over_varying_shapes_is_reported_with_the_fix_when_
     """On CUDA every measured step logs memory/cache_gib; fed here as a GPU run would (the CPU has no cache)."""
     batches = [_batch(32, seed=i) for i in range(11)]
     cb, _ = _fit(tmp_path, _gpt(), batches, "budget:8MiB")
-    shapes, key = cb._engine.shapes, cb._engine._key
+    shapes, key = cb._engine.shapes, cb._engine.measurement.key
     cb._engine.capacity = 4 * 2**30
     assert shapes.cache_report() is None  # no allocator on the CPU: nothing invented
     for cache in (0.10, 0.12, 0.11):

@@ -9,7 +9,7 @@ from lightning.pytorch import Trainer
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-import lightning_ckpt.lightning.engine as engine_module
+import lightning_ckpt.lightning.verifying as verifying_module
 from lightning_ckpt import ActivationCheckpointing
 from lightning_ckpt.decide.verify import EquivalenceError
 
@@ -64,7 +64,7 @@ class RecordingModel(TinyTransformer):
 @pytest.fixture
 def recorder(monkeypatch):
     rec = Recorder()
-    original = engine_module.verify_equivalence
+    original = verifying_module.verify_equivalence
 
     def recorded(*args, **kwargs):
         rec.in_verify = True
@@ -73,7 +73,7 @@ def recorder(monkeypatch):
         finally:
             rec.in_verify = False
 
-    monkeypatch.setattr(engine_module, "verify_equivalence", recorded)
+    monkeypatch.setattr(verifying_module, "verify_equivalence", recorded)
     return rec
 
 
@@ -125,7 +125,7 @@ def test_verify_raises_on_a_block_unsafe_in_the_trained_precision(tmp_path, reco
 
 def test_verify_is_refused_under_fsdp_sharding(tmp_path, recorder, monkeypatch):
     model = RecordingModel(recorder)
-    monkeypatch.setattr(engine_module.conflicts, "is_fsdp_module", lambda m: m is model.layers[1])
+    monkeypatch.setattr(verifying_module.conflicts, "is_fsdp_module", lambda m: m is model.layers[1])
     with pytest.raises(ValueError, match=r"verify the plan without FSDP.*'layers\.1' is sharded by FSDP"):
         Trainer(**trainer_kwargs(tmp_path, max_steps=1, num_sanity_val_steps=0),
                 callbacks=[ActivationCheckpointing(policy="all", verify=True)]).fit(model)
@@ -140,7 +140,7 @@ def test_verify_under_bf16_mixed_on_cuda(tmp_path, monkeypatch, caplog, policy, 
     blocks are TinyTransformer's ``nn.TransformerEncoderLayer`` (fused SDPA with dropout_p=0.1 in training, then a
     residual dropout): a failure there under 'selective' is selective's RNG on replay, which verify exists to see."""
     rec = Recorder("cuda")
-    original = engine_module.verify_equivalence
+    original = verifying_module.verify_equivalence
 
     def recorded(*args, **kwargs):
         rec.in_verify = True
@@ -149,7 +149,7 @@ def test_verify_under_bf16_mixed_on_cuda(tmp_path, monkeypatch, caplog, policy, 
         finally:
             rec.in_verify = False
 
-    monkeypatch.setattr(engine_module, "verify_equivalence", recorded)
+    monkeypatch.setattr(verifying_module, "verify_equivalence", recorded)
     if attention:
         def note(module, args):
             rec.note()
