@@ -195,7 +195,7 @@ def test_no_function_of_the_lightning_layer_is_longer_than_60_lines():
 
 
 @pytest.mark.parametrize("module", ["gate", "shaped", "recovery", "budgeting", "autotoggle", "reporting", "measuring",
-                                    "compiling", "verifying"])
+                                    "compiling", "verifying", "persistence"])
 def test_the_per_shape_features_reach_the_run_through_the_port_only(module):
     """Issue 38: ``ShapeGate`` and ``ShapeSteps`` held the engine (``engine: Any``) and read its attributes (the
     calibration, the controller, the last result, ...). They hold a ``PlanPort`` now: the plan, the one way to change
@@ -210,8 +210,9 @@ def test_the_per_shape_features_reach_the_run_through_the_port_only(module):
 
 def test_the_engine_hears_its_features_through_one_interface():
     """Issue 38: the engine's step's end, fit end, report and teardown branched on each capability (``if
-    self.calibration is not None``, ``if self.gate is not None``, ...). Each capability is a ``Feature`` now, and
-    those hooks call every feature the same way."""
+    self.calibration is not None``, ``if self.gate is not None``, ...), and its state_dict on the auto-toggle and the
+    budget. Each capability is a ``Feature`` now (its checkpointed state under its ``state_key``), and those hooks
+    call every feature the same way."""
     from lightning_ckpt.lightning.autotoggle import AutoToggle
     from lightning_ckpt.lightning.budgeting import BudgetFeature
     from lightning_ckpt.lightning.compiling import CompiledBlocks
@@ -221,10 +222,11 @@ def test_the_engine_hears_its_features_through_one_interface():
     assert all(issubclass(cls, Feature) for cls in (BudgetFeature, AutoToggle, CompiledBlocks, Verification))
     # the step's hooks branched on verify and on compiled blocks too (self._verified, self._breaks_before)
     capabilities = {"budget", "toggle", "calibration", "shapes", "controller", "gate", "verification", "compiled",
-                    "_verified", "_verify", "_breaks_before"}
+                    "_verified", "_verify", "_breaks_before", "_budget_state"}
     tree = ast.parse((PACKAGE / "lightning" / "engine.py").read_text())
     hooks = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
-    reached = {f"{name}: self.{node.attr}" for name in ("batch_start", "batch_end", "fit_end", "report", "release")
+    hooks_named = ("batch_start", "batch_end", "fit_end", "report", "release", "state_dict", "load_state_dict")
+    reached = {f"{name}: self.{node.attr}" for name in hooks_named
                for node in ast.walk(hooks[name]) if isinstance(node, ast.Attribute) and node.attr in capabilities
                and isinstance(node.value, ast.Name) and node.value.id == "self"}
     assert not reached, sorted(reached)

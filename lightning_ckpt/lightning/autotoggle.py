@@ -40,6 +40,8 @@ class AutoToggle(Feature):
         capacity: the device's memory in bytes, which a fractional ``auto_threshold`` is a share of.
     """
 
+    state_key = "controller"
+
     def __init__(self, port: PlanPort, capacity: Optional[int]) -> None:
         self.port = port
         s = port.settings

@@ -69,6 +69,8 @@ class BudgetFeature(Feature):
         saved: the checkpoint's budget state (``state_dict()`` of an earlier run) to go on from, or ``None``.
     """
 
+    state_key = "budget"
+
     def __init__(self, port: PlanPort, meter: Any, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                  saved: Optional[Dict[str, Any]] = None) -> None:
         self.port = port

@@ -38,6 +38,7 @@ from lightning_ckpt.lightning.budgeting import WHOLE_MODEL_COMPILE_BUDGET, Budge
 from lightning_ckpt.lightning.compiling import CompiledBlocks
 from lightning_ckpt.lightning.feature import Feature
 from lightning_ckpt.lightning.measuring import StepMeasurement
+from lightning_ckpt.lightning.persistence import SavedRun
 from lightning_ckpt.lightning.port import PlanPort
 from lightning_ckpt.lightning.ranks import HostGroup
 from lightning_ckpt.lightning.recovery import StepGuard
@@ -51,10 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
     import torch
 
-__all__ = ["REPORT_FILE", "STATE_VERSION", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
-
-STATE_VERSION = 1
-_STATE_KEYS = frozenset({"version", "policy", "plan_policy", "names", "modes", "controller", "budget"})
+__all__ = ["REPORT_FILE", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
 
 
 class CheckpointingEngine:
@@ -84,9 +82,7 @@ class CheckpointingEngine:
         self.compiled = CompiledBlocks(self.port)
         self.verification = Verification(self.port, owner) if settings.verify else None
         self.capacity: Optional[int] = settings.capacity_bytes
-        self._pending: Optional[Dict[str, Any]] = None  # restored state waiting for the plan to exist
-        self._budget_state: Optional[Dict[str, Any]] = None  # a budget's saved calibration, for fit start
-        self._applied_in_run = False
+        self.saved = SavedRun(self.port, self.describe())  # what a checkpoint keeps of the run, and its restoring
         self._handles: list = []  # forward pre-hook, replay hook
 
     # ------------------------------------------------------------------------------------------ describing
@@ -155,8 +151,7 @@ class CheckpointingEngine:
     # ------------------------------------------------------------------------------------------ set-up
     def setup(self, trainer: "pl.Trainer", stage: str) -> None:
         """Every run: refuse conflicts; when fitting, arrange for the plan to be applied before strategy setup."""
-        self._applied_in_run = False
-        self._pending = None
+        self.saved.run_starts()
         self.guard.attach(trainer)  # every stage: an evaluation loop's out-of-memory error is named by its stage
         found = conflicts.owners(trainer)
         if len(found) > 1:
@@ -184,16 +179,13 @@ class CheckpointingEngine:
         o = self.settings.options
         self.plan = apply_policy(model, self.policy, self.settings.blocks, preserve_rng_state=o.preserve_rng_state,
                                  determinism_check=o.determinism_check, debug=o.debug)
-        self._applied_in_run = True
         self.compiled.plan_applied(trainer)
         self.capacity = self.settings.capacity_bytes or device_capacity(trainer.strategy.root_device)
         if self.settings.auto_threshold is not None:
             self.toggle = AutoToggle(self.port, self.capacity)
         self._check_replay_safety()
         conflicts.refuse_regions_across_shards(trainer.strategy, self.plan, self._reachable_policies())
-        if self._pending is not None:
-            state, self._pending = self._pending, None
-            self._restore(state)
+        self.saved.plan_applied(self._made_with_plan())
         self.info(self.plan.summary().splitlines()[0].removeprefix("lightning_ckpt "))
         return self.plan
 
@@ -208,8 +200,8 @@ class CheckpointingEngine:
         self._handles.append(register_replay_hook(self.guard.note_replay))
         if self.plan.blocks:
             self._handles.append(self.plan.blocks[0].register_forward_pre_hook(lambda *_: self.phase.forward_start()))
+        saved = self.saved.take(BudgetFeature.state_key)
         if s.budget is not None:  # each fit calibrates, or goes on from what a checkpoint saved of it
-            saved, self._budget_state = self._budget_state, None
             self.budget = BudgetFeature(self.port, self.monitor.meter, trainer, pl_module, saved)
         if s.snapshot_on_oom:
             self.guard.record(trainer)
@@ -253,6 +245,11 @@ class CheckpointingEngine:
         self.plan.retarget(policy)
         if level is not None and self.toggle is not None:
             self.toggle.moved_to(level)
+        self._check_replay_safety()
+
+    def restore_plan(self, state: Dict[str, Any]) -> None:
+        """Put back a checkpoint's plan (:mod:`~lightning_ckpt.lightning.persistence`) through the same checks."""
+        self.plan.load_state_dict(state)
         self._check_replay_safety()
 
     def set_modes(self, modes: Sequence[str]) -> None:
@@ -331,74 +328,14 @@ class CheckpointingEngine:
 
     # ------------------------------------------------------------------------------------------ persistence
     def state_dict(self) -> Dict[str, Any]:
-        """Primitives only: ``version``, configured ``policy``, plan ``plan_policy``/``names``/``modes``, and the
-        auto-toggle's ``controller`` state."""
-        if self.plan is None:
-            if self._pending is not None:  # restored but not applied yet: keep what the user had
-                return dict(self._pending)
-            return {"version": STATE_VERSION, "policy": self._configured_spec()}
-        plan = self.plan.state_dict()
-        state = {"version": STATE_VERSION, "policy": self._configured_spec(), "plan_policy": plan["policy"],
-                 "names": list(plan["names"]), "modes": list(plan["modes"])}
-        if self.toggle is not None:
-            state["controller"] = self.toggle.state_dict()
-        if self.budget is not None:  # a resumed run goes on without calibrating again
-            state["budget"] = self.budget.state_dict()
-        elif self._budget_state is not None:
-            state["budget"] = self._budget_state
-        return state
+        """What a checkpoint keeps of the run (:mod:`~lightning_ckpt.lightning.persistence`)."""
+        return self.saved.state_dict(self.features)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a saved plan: at once if this run already applied it (the strategy restores after setup),
-        else when this run applies the plan (a plan left by an earlier run would be re-targeted there)."""
-        state = _check_state(state)
-        if state is None:
-            return
-        if self._applied_in_run:
-            self._restore(state)
-        else:
-            self._pending = state
+        """Restore a checkpoint's plan and features' state (now, or when this run applies its plan)."""
+        self.saved.load_state_dict(state, self._made_with_plan())
 
-    def _configured_spec(self) -> str:
-        """The policy as the user configured it: a budget's own string, not the plan it starts from."""
-        return self.settings.budget.spec if self.settings.budget is not None else self.policy.spec
-
-    def _restore(self, state: Dict[str, Any]) -> None:
-        saved = state.get("policy")
-        if saved not in (self._configured_spec(), self.policy.spec):  # older checkpoints of a budget: its start
-            warnings.warn(
-                f"lightning_ckpt: the checkpoint was trained with policy {saved!r} but {self.describe()} is "
-                f"configured with {self._configured_spec()!r}; the configured policy wins. To resume with the saved "
-                f"plan, pass policy={saved!r}.", UserWarning, stacklevel=3)
-            self.change_plan(self.policy)
-            return
-        if state.get("controller") is not None and self.toggle is not None:
-            self.toggle.load_state_dict(state["controller"])
-        if "plan_policy" not in state:
-            return
-        if list(state.get("names", [])) != list(self.plan.names):
-            warnings.warn(
-                f"lightning_ckpt: the checkpoint's plan covers blocks {state.get('names')}, this model has "
-                f"{list(self.plan.names)}; keeping the configured policy {self.policy.spec!r}.", UserWarning,
-                stacklevel=3)
-            return
-        self.plan.load_state_dict({"version": 1, "policy": state["plan_policy"], "names": state.get("names", []),
-                                   "modes": state.get("modes", [])})
-        self._check_replay_safety()
-        self._budget_state = state.get("budget")  # restored at fit start, once the calibration exists
-
-
-def _check_state(state: Any) -> Optional[Dict[str, Any]]:
-    if not isinstance(state, dict) or not isinstance(state.get("policy"), str):
-        warnings.warn(f"lightning_ckpt: ignoring unreadable saved state {state!r}; using the configured policy.",
-                      UserWarning, stacklevel=3)
-        return None
-    if state.get("version") != STATE_VERSION:
-        warnings.warn(f"lightning_ckpt: saved state version {state.get('version')!r} is not {STATE_VERSION}; "
-                      "loading what is compatible.", UserWarning, stacklevel=3)
-    unknown = sorted(set(state) - _STATE_KEYS)
-    if unknown:
-        warnings.warn(f"lightning_ckpt: ignoring unknown keys {unknown} in saved state.", UserWarning, stacklevel=3)
-    return state
-
-
+    def _made_with_plan(self) -> List[Feature]:
+        """The features made when the plan is applied (those of fit start are made later, and take their state
+        then)."""
+        return [self.toggle] if self.toggle is not None else []

@@ -11,7 +11,7 @@ grows a branch for it. Each hook here does nothing: a feature overrides the ones
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -60,7 +60,14 @@ class StepEnd:
 
 
 class Feature:
-    """One capability of the run, called by the engine at each of these hooks (see the module docstring)."""
+    """One capability of the run, called by the engine at each of these hooks (see the module docstring).
+
+    Attributes:
+        state_key: the key a checkpoint keeps its :meth:`state_dict` under (``None``: it keeps nothing), see
+            :mod:`lightning_ckpt.lightning.persistence`.
+    """
+
+    state_key: Optional[str] = None
 
     def plan_applied(self, trainer: "pl.Trainer") -> None:
         """The plan was just applied to the model, before the strategy wraps it."""
@@ -107,6 +114,13 @@ class Feature:
         """Its lines of the printed report (``data``: the whole report, its sections included), each starting with
         a newline; none by default."""
         return ""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of it (primitives), under :attr:`state_key`."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """A checkpoint's :meth:`state_dict` of it: go on from there."""
 
     def close(self) -> None:
         """The run ends (normally or not): remove every hook it installed."""

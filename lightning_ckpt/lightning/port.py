@@ -98,6 +98,10 @@ class PlanPort:
         """Run ``policy`` from the next forward on (``level``: the auto-toggle's position it stands for)."""
         self._engine.change_plan(policy, level)
 
+    def restore_plan(self, state: Dict[str, Any]) -> None:
+        """Put back a checkpoint's plan (its policy, then its modes), with the plan's safety check."""
+        self._engine.restore_plan(state)
+
     def info(self, message: str) -> None:
         """Tell the user (rank zero, the package's logger)."""
         self._engine.info(message)
