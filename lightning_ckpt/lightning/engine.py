@@ -10,14 +10,15 @@ are one code path: the same metrics, the same checks, the same report.
 
 Every change of plan (auto-toggle, budget, escalation, resume) goes through :meth:`CheckpointingEngine.change_plan`.
 
-Each capability is a feature (:class:`~lightning_ckpt.lightning.feature.Feature`), called at every hook in one
-order: ``verify`` (:mod:`~lightning_ckpt.lightning.verifying`), the blocks compiled one by one
-(:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run (:mod:`~lightning_ckpt.lightning.budgeting`)
-and the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`). The measurement of each step
-(:mod:`~lightning_ckpt.lightning.measuring`) hands the measured steps to them; the out-of-memory guard
-(:mod:`~lightning_ckpt.lightning.recovery`) and the end-of-fit report (:mod:`~lightning_ckpt.lightning.reporting`)
-are objects of their own. All of them reach the run through one :class:`~lightning_ckpt.lightning.port.PlanPort`,
-never the engine.
+Each capability is a feature (:class:`~lightning_ckpt.lightning.feature.Feature`). The engine makes each one
+(``verify`` and the compiled blocks with itself, the auto-toggle when the plan is applied, a budget's run at fit
+start), then calls all it has at every hook, in one order: ``verify`` (:mod:`~lightning_ckpt.lightning.verifying`),
+the blocks compiled one by one (:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run
+(:mod:`~lightning_ckpt.lightning.budgeting`) and the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`). The
+measurement of each step (:mod:`~lightning_ckpt.lightning.measuring`) hands the measured steps to them; the
+out-of-memory guard (:mod:`~lightning_ckpt.lightning.recovery`) and the end-of-fit report
+(:mod:`~lightning_ckpt.lightning.reporting`) are objects of their own. All of them reach the run through one
+:class:`~lightning_ckpt.lightning.port.PlanPort`, never the engine.
 """
 
 from __future__ import annotations
@@ -77,12 +78,12 @@ class CheckpointingEngine:
         self.phase = PhaseTracker()
         self.port = PlanPort(self)  # what the features, the guard, the measurement and the report reach of the run
         self.guard = StepGuard(self.port, self.phase)  # out-of-memory errors, with snapshot_on_oom's record
-        self.record = RunReport(self.port, owner)  # what the end-of-fit report reads of the measured steps
+        self.record = RunReport(self.port)  # what the end-of-fit report reads of the measured steps
         self.measurement = StepMeasurement(self.port, self.record)  # which steps are measured, their figures
         self.compiled = CompiledBlocks(self.port)
-        self.verification = Verification(self.port, owner) if settings.verify else None
+        self.verification = Verification(self.port) if settings.verify else None
         self.capacity: Optional[int] = settings.capacity_bytes
-        self.saved = SavedRun(self.port, self.describe())  # what a checkpoint keeps of the run, and its restoring
+        self.saved = SavedRun(self.port)  # what a checkpoint keeps of the run, and its restoring
         self._handles: list = []  # forward pre-hook, replay hook
 
     # ------------------------------------------------------------------------------------------ describing
@@ -179,7 +180,8 @@ class CheckpointingEngine:
         o = self.settings.options
         self.plan = apply_policy(model, self.policy, self.settings.blocks, preserve_rng_state=o.preserve_rng_state,
                                  determinism_check=o.determinism_check, debug=o.debug)
-        self.compiled.plan_applied(trainer)
+        for feature in self.features:
+            feature.plan_applied(trainer)
         self.capacity = self.settings.capacity_bytes or device_capacity(trainer.strategy.root_device)
         if self.settings.auto_threshold is not None:
             self.toggle = AutoToggle(self.port, self.capacity)
@@ -203,6 +205,7 @@ class CheckpointingEngine:
         saved = self.saved.take(BudgetFeature.state_key)
         if s.budget is not None:  # each fit calibrates, or goes on from what a checkpoint saved of it
             self.budget = BudgetFeature(self.port, self.monitor.meter, trainer, pl_module, saved)
+            self.saved.made(self.budget)
         if s.snapshot_on_oom:
             self.guard.record(trainer)
         for feature in self.features:
@@ -333,7 +336,7 @@ class CheckpointingEngine:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore a checkpoint's plan and features' state (now, or when this run applies its plan)."""
-        self.saved.load_state_dict(state, self._made_with_plan())
+        self.saved.load_state_dict(state)
 
     def _made_with_plan(self) -> List[Feature]:
         """The features made when the plan is applied (those of fit start are made later, and take their state

@@ -2,8 +2,9 @@
 
 The engine (:mod:`lightning_ckpt.lightning.engine`) owns the plan and the lifecycle; the measurement of each step
 (:mod:`lightning_ckpt.lightning.measuring`) hands every measured step to the features. Each capability (``verify``,
-the blocks compiled one by one, a ``budget:`` policy's run, the auto-toggle) is one feature. The engine calls
-every feature it has at the same hooks, in one order, and a feature reaches the run only through its
+the blocks compiled one by one, a ``budget:`` policy's run, the auto-toggle) is one feature. The engine makes each
+feature (with the engine, when the plan is applied, or at fit start) and from then on calls every feature it has at
+the same hooks, in one order, never asking which one it is; a feature reaches the run only through its
 :class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no hook of the engine
 grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
 """
@@ -70,7 +71,8 @@ class Feature:
     state_key: Optional[str] = None
 
     def plan_applied(self, trainer: "pl.Trainer") -> None:
-        """The plan was just applied to the model, before the strategy wraps it."""
+        """The plan was just applied to the model: by the strategy's set-up, before it wraps the model (at fit start
+        where that set-up was bypassed)."""
 
     def fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """A fit starts (the strategy is set up, the step measurement exists)."""
@@ -79,7 +81,8 @@ class Feature:
         """A training batch is about to run, before anything of its step is measured."""
 
     def step_needs(self, trainer: "pl.Trainer") -> StepNeeds:
-        """What it needs of the optimizer step about to start (a pure read, asked before its plan is set)."""
+        """What it needs of the optimizer step about to start (a pure read, asked once, before the step's plan is
+        set)."""
         return NOTHING
 
     def exact_reading(self) -> Any:

@@ -121,9 +121,9 @@ class StepMeasurement:
         s, plan = self.port.settings, self.port.plan
         self.batch_shape = (sequence_length(batch), count_samples(batch))
         needs = [feature.step_needs(trainer) for feature in features]  # asked before the plan for the batch is set
+        self.logging, self.deciding = self._logging_step(trainer), any(need.decide for need in needs)
         for feature in features:  # the plan for this batch, before its forward
             feature.before_micro_batch(trainer, batch, first=True)
-        self.logging, self.deciding = self.step_kind(trainer, features)
         # owed the time of a logged reference step: timed, and its figures reduced (not logged) at its end
         self.settling = bool(self._owed)
         # block hooks measure the steps a feature needs eagerly (the calibration's): compiled code runs eagerly for
@@ -141,9 +141,10 @@ class StepMeasurement:
 
     def step_kind(self, trainer: "pl.Trainer", features: Sequence[Feature]) -> tuple:
         """(logging step, decision step) for the optimizer step that starts now (a pure read)."""
-        logging = bool(self.port.settings.measure and trainer._logger_connector.should_update_logs)
-        deciding = any(feature.step_needs(trainer).decide for feature in features)
-        return logging, deciding
+        return self._logging_step(trainer), any(feature.step_needs(trainer).decide for feature in features)
+
+    def _logging_step(self, trainer: "pl.Trainer") -> bool:
+        return bool(self.port.settings.measure and trainer._logger_connector.should_update_logs)
 
     def _grow_step(self, batch: Any) -> float:
         """A later micro-batch of a measured step: its tokens, and its (length, samples) for the report's reading

@@ -39,6 +39,11 @@ class PlanPort:
         return self._engine.plan
 
     @property
+    def owner(self) -> str:
+        """How the door names itself in messages (``ActivationCheckpointing``, or the ``*_ac`` strategy's class)."""
+        return self._engine.owner
+
+    @property
     def module(self) -> Any:
         """The LightningModule being trained."""
         return self._engine.module

@@ -40,12 +40,11 @@ class RunReport:
     """What the report reads of the fit's measured steps, and the report itself (see the module docstring).
 
     Args:
-        port: what it reaches of the run.
-        owner: how the door names itself (the timeline's title).
+        port: what it reaches of the run (the door's name titles the timeline).
     """
 
-    def __init__(self, port: PlanPort, owner: str) -> None:
-        self.port, self.owner = port, owner
+    def __init__(self, port: PlanPort) -> None:
+        self.port = port
         self.last_result: Optional["StepResult"] = None  # the last *measured* step's, this fit
         self.last_step: Optional[tuple] = None  # (Lightning's step, logged) of last_result
         self.last_attribution: Optional[Dict[str, Any]] = None  # the last reference step's peaks, named
@@ -111,7 +110,7 @@ class RunReport:
         last = self.last_attribution
         timeline.label = (f"step {last['step']}, batch {last['shape']}, plan {mode_mix(last['modes'])}")
         figure = draw_timelines([timeline], os.path.join(folder, TIMELINE_FILE),
-                                f"{self.owner}: memory over one reference step")
+                                f"{self.port.owner}: memory over one reference step")
         from lightning.pytorch.loggers import TensorBoardLogger
 
         for logger in trainer.loggers:

@@ -1,8 +1,9 @@
 """``verify=True`` as a feature of the run: :class:`Verification`.
 
-On the first training batch, before anything of its step is measured, every checkpointed block of the plan runs
-against itself plain, inside the precision plugin's training-step context (its autocast), block by block within the
-checkpointed step's memory (:mod:`lightning_ckpt.decide.verify`); the table of what agreed goes to the user.
+On the first training batch of the callback's life (a second ``fit`` does not verify again), before anything of its
+step is measured, every checkpointed block of the plan runs against itself plain, inside the precision plugin's
+training-step context (its autocast), block by block within the checkpointed step's memory
+(:mod:`lightning_ckpt.decide.verify`); the table of what agreed goes to the user.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ class Verification(Feature):
 
     Args:
         port: what the feature reaches of the run.
-        owner: how the door names itself in the error message.
     """
 
-    def __init__(self, port: PlanPort, owner: str) -> None:
-        self.port, self.owner = port, owner
+    def __init__(self, port: PlanPort) -> None:
+        self.port = port
         self.verified = False
 
     def before_batch(self, pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
@@ -42,9 +42,9 @@ class Verification(Feature):
         sharded = next((name for name, m in pl_module.named_modules() if conflicts.is_fsdp_module(m)), None)
         if sharded is not None:
             raise ValueError(
-                f"{self.owner}(verify=True): verify the plan without FSDP (the same policy on one device), then drop "
-                f"verify=True here; {sharded or type(pl_module).__name__!r} is sharded by FSDP, and verify runs each "
-                "checkpointed block alone, outside the root's forward, where FSDP cannot gather its parameters.")
+                f"{self.port.owner}(verify=True): verify the plan without FSDP (the same policy on one device), then "
+                f"drop verify=True here; {sharded or type(pl_module).__name__!r} is sharded by FSDP, and verify runs "
+                "each checkpointed block alone, outside the root's forward, where FSDP cannot gather its parameters.")
         trainer = pl_module.trainer
         report = verify_equivalence(
             pl_module, plan, lambda: pl_module.training_step(batch, batch_idx),

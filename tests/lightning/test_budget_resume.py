@@ -33,7 +33,7 @@ class Steps(Callback):
         self.rows.append((trainer.global_step, cb.plan.modes, step_activations(trainer), cb.calibration.done))
 
 
-def _run(tmp_path, steps: int, ckpt_path=None, every: int = 1):
+def _run(tmp_path, steps: int, ckpt_path=None, every: int = 1, **trainer_args):
     seed_everything(0)
     model = GPTLightningModule(n_layer=4, n_embd=64, n_head=4, block_size=128, vocab_size=VOCAB, dropout=0.0)
     cb, rec = ActivationCheckpointing(policy="budget:3MiB"), Steps()
@@ -42,7 +42,7 @@ def _run(tmp_path, steps: int, ckpt_path=None, every: int = 1):
     lengths = [32, 64] * 20
     trainer = Trainer(callbacks=[cb, rec, saver], **trainer_kwargs(
         tmp_path, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
-        enable_checkpointing=True))
+        enable_checkpointing=True, **trainer_args))
     trainer.fit(model, DataLoader([_batch(n, i) for i, n in enumerate(lengths)], batch_size=None),
                 ckpt_path=ckpt_path)
     return cb, rec.rows
@@ -73,3 +73,22 @@ def test_a_resumed_budget_goes_on_where_it_stopped(tmp_path, at):
     if at == "after":  # no calibration step at all after the resume
         assert all(done for *_, done in after)
         assert set(resumed.shape_plans) == set(whole.shape_plans)
+
+
+def test_a_budget_resumed_by_a_strategy_that_restores_after_its_setup_does_not_calibrate_again(tmp_path, monkeypatch):
+    """FSDP, ``ModelParallelStrategy`` (FSDP2) and DeepSpeed restore a checkpoint after their set-up, which comes after
+    fit start, where the budget's run is made: the old engine held the saved calibration for the *next* fit, so the
+    resumed one calibrated again from its first stage. It goes into this fit's budget now."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    whole, rows = _run(tmp_path / "whole", steps=24)
+    calibration_steps = next(step for step, _, _, done in rows if done)
+    stop = calibration_steps + 2
+    monkeypatch.setattr(SingleDeviceStrategy, "restore_checkpoint_after_setup", property(lambda self: True))
+    ckpt = str(tmp_path / "whole" / "ckpt" / f"step={stop}.ckpt")
+    resumed, after = _run(tmp_path / "resumed", steps=stop + 4, ckpt_path=ckpt, strategy=SingleDeviceStrategy("cpu"))
+    assert [step for step, *_ in after] == list(range(stop + 1, stop + 5))
+    assert all(done for *_, done in after)  # no calibration step after the resume
+    assert resumed.calibration.chosen.modes == whole.calibration.chosen.modes
+    assert set(resumed.shape_plans) == set(whole.shape_plans)
+    assert all(peak is None or peak <= BUDGET for _, _, peak, _ in after)

@@ -132,6 +132,18 @@ def test_verify_is_refused_under_fsdp_sharding(tmp_path, recorder, monkeypatch):
     assert not recorder.calls  # refused before the first forward
 
 
+def test_the_refusal_names_the_strategy_that_owns_the_checkpointing(tmp_path, recorder, monkeypatch):
+    """A ``*_ac`` strategy names its callback's engine after making it: the message is read with the name then (the
+    feature made with the engine kept the callback's name)."""
+    from lightning_ckpt.lightning.strategy import SingleDeviceActivationCheckpointingStrategy
+
+    model = RecordingModel(recorder)
+    monkeypatch.setattr(verifying_module.conflicts, "is_fsdp_module", lambda m: m is model.layers[1])
+    strategy = SingleDeviceActivationCheckpointingStrategy(policy="all", verify=True, device="cpu")
+    with pytest.raises(ValueError, match=r"^SingleDeviceActivationCheckpointingStrategy\(verify=True\): verify the"):
+        Trainer(strategy=strategy, **trainer_kwargs(tmp_path, max_steps=1, num_sanity_val_steps=0)).fit(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["all", "selective", "offload", "group:2"])
 @pytest.mark.parametrize("attention", [False, True])
