@@ -11,6 +11,7 @@ how to fix it. Adding an argument is one edit here, plus its validation in :clas
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import FrozenInstanceError
 from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
@@ -27,6 +28,18 @@ from lightning_ckpt.decide.shapes import Shape, parse_shape
 __all__ = ["ON_OOM", "OPTION_NAMES", "Options", "Settings", "options_help", "strategy_signature"]
 
 ON_OOM = ("raise", "escalate")
+
+_AUTO = "auto_threshold (e.g. 0.8 or '18GiB')"
+_BUDGET = "a budget policy (e.g. policy='budget:18GiB')"
+_UNUSED_PREFIX = "lightning_ckpt: pass "  # the warning about an argument that acts only with another begins so
+_ACTS_WITH = {  # an argument that only acts together with another: what makes it act
+    "ladder": "auto_threshold or on_oom='escalate'",
+    "release": _AUTO,
+    "cooldown": _AUTO,
+    "decide_every_n_steps": _AUTO,
+    "max_shape": _BUDGET,
+    "per_shape": "a budget policy or auto_threshold",
+}
 
 
 class Options:
@@ -60,7 +73,10 @@ class Options:
         snapshot_on_oom: Union[bool, int] = False,
         zero_grad_before_forward: bool = False,
     ) -> None:
-        """Every argument is validated here: a bad value raises before any training.
+        """Every argument is validated here: a bad value raises before any training. An argument that acts only
+        together with another warns when given without it: ``ladder`` (with ``auto_threshold`` or
+        ``on_oom="escalate"``), ``release``, ``cooldown`` and ``decide_every_n_steps`` (with ``auto_threshold``),
+        ``max_shape`` (with a ``budget:`` policy), ``per_shape`` (with either).
 
         Args:
             policy: which blocks to checkpoint and how: ``"all"``, ``"none"``, ``"every:N"``, ``"first:K"``,
@@ -193,11 +209,15 @@ class Settings:
 
     def replace(self, **changes: Any) -> "Settings":
         """New settings with ``changes`` (validated again, as ``dataclasses.replace`` did when these were a
-        dataclass)."""
-        return Settings(**{**{name: getattr(self, name) for name in OPTION_NAMES}, **changes})
+        dataclass; an argument that does nothing without another was said when the user gave it, not again here)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_UNUSED_PREFIX, category=UserWarning)
+            return Settings(**{**{name: getattr(self, name) for name in OPTION_NAMES}, **changes})
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        given = [name for name in _ACTS_WITH if getattr(self, name) != _declared()[name].default
+                 and not (name == "ladder" and tuple(self.ladder) == DEFAULT_LADDER)]  # replace() passes the default
         set_(self, "ladder", tuple(self.ladder) if self.ladder is not None else DEFAULT_LADDER)
         set_(self, "options", validate_options(False, self.preserve_rng_state, self.determinism_check, self.debug))
         set_(self, "blocks", check_selector(self.blocks))
@@ -212,6 +232,20 @@ class Settings:
             Controller(threshold=resolve_threshold(self.auto_threshold, self.capacity_bytes or 2**62),
                        ladder=self.ladder, release=self.release, cooldown=self.cooldown,
                        level=self.ladder.index(self.start.spec))
+        self._warn_unused(given)
+
+    def _warn_unused(self, given: List[str]) -> None:
+        """An argument given that only acts with another, which is not: said before any training (the run goes on;
+        nothing reads it)."""
+        auto, budget = self.auto_threshold is not None, self.budget is not None
+        acting = {"ladder": auto or self.on_oom == "escalate", "release": auto, "cooldown": auto,
+                  "decide_every_n_steps": auto, "max_shape": budget, "per_shape": auto or budget}
+        for name in given:
+            if not acting[name]:
+                value = getattr(self, name)
+                value = list(value) if isinstance(value, tuple) else value  # the ladder, as it was given
+                warnings.warn(f"{_UNUSED_PREFIX}{_ACTS_WITH[name]} as well, or leave {name} out: {name}={value!r} "
+                              "does nothing without it.", UserWarning, stacklevel=5)
 
     @property
     def changes_plan(self) -> str:
