@@ -202,8 +202,8 @@ class CheckpointingEngine:
         self._handles.append(register_replay_hook(self.guard.note_replay))
         if self.plan.blocks:
             self._handles.append(self.plan.blocks[0].register_forward_pre_hook(lambda *_: self.phase.forward_start()))
-        saved = self.saved.take(BudgetFeature.state_key)
         if s.budget is not None:  # each fit calibrates, or goes on from what a checkpoint saved of it
+            saved = self.saved.take(BudgetFeature.state_key)
             self.budget = BudgetFeature(self.port, self.monitor.meter, trainer, pl_module, saved)
             self.saved.made(self.budget)
         if s.snapshot_on_oom:

@@ -31,14 +31,24 @@ ON_OOM = ("raise", "escalate")
 
 _AUTO = "auto_threshold (e.g. 0.8 or '18GiB')"
 _BUDGET = "a budget policy (e.g. policy='budget:18GiB')"
+
+
+def _auto(s: "Settings") -> bool:
+    return s.auto_threshold is not None
+
+
+def _budget(s: "Settings") -> bool:
+    return s.budget is not None
+
+
 _UNUSED_PREFIX = "lightning_ckpt: pass "  # the warning about an argument that acts only with another begins so
-_ACTS_WITH = {  # an argument that only acts together with another: what makes it act
-    "ladder": "auto_threshold or on_oom='escalate'",
-    "release": _AUTO,
-    "cooldown": _AUTO,
-    "decide_every_n_steps": _AUTO,
-    "max_shape": _BUDGET,
-    "per_shape": "a budget policy or auto_threshold",
+_ACTS_WITH = {  # an argument that only acts together with another: whether it acts, and what makes it act
+    "ladder": (lambda s: _auto(s) or s.on_oom == "escalate", "auto_threshold or on_oom='escalate'"),
+    "release": (_auto, _AUTO),
+    "cooldown": (_auto, _AUTO),
+    "decide_every_n_steps": (_auto, _AUTO),
+    "max_shape": (_budget, _BUDGET),
+    "per_shape": (lambda s: _auto(s) or _budget(s), "a budget policy or auto_threshold"),
 }
 
 
@@ -216,7 +226,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        given = [name for name in _ACTS_WITH if getattr(self, name) != _declared()[name].default
+        declared = _declared()
+        given = [name for name in _ACTS_WITH if getattr(self, name) != declared[name].default
                  and not (name == "ladder" and tuple(self.ladder) == DEFAULT_LADDER)]  # replace() passes the default
         set_(self, "ladder", tuple(self.ladder) if self.ladder is not None else DEFAULT_LADDER)
         set_(self, "options", validate_options(False, self.preserve_rng_state, self.determinism_check, self.debug))
@@ -237,15 +248,13 @@ class Settings:
     def _warn_unused(self, given: List[str]) -> None:
         """An argument given that only acts with another, which is not: said before any training (the run goes on;
         nothing reads it)."""
-        auto, budget = self.auto_threshold is not None, self.budget is not None
-        acting = {"ladder": auto or self.on_oom == "escalate", "release": auto, "cooldown": auto,
-                  "decide_every_n_steps": auto, "max_shape": budget, "per_shape": auto or budget}
         for name in given:
-            if not acting[name]:
+            acts, partner = _ACTS_WITH[name]
+            if not acts(self):
                 value = getattr(self, name)
                 value = list(value) if isinstance(value, tuple) else value  # the ladder, as it was given
-                warnings.warn(f"{_UNUSED_PREFIX}{_ACTS_WITH[name]} as well, or leave {name} out: {name}={value!r} "
-                              "does nothing without it.", UserWarning, stacklevel=5)
+                warnings.warn(f"{_UNUSED_PREFIX}{partner} as well, or leave {name} out: {name}={value!r} does nothing "
+                              "without it.", UserWarning, stacklevel=5)
 
     @property
     def changes_plan(self) -> str:
