@@ -703,7 +703,9 @@ def test_a_mode_is_priced_by_what_it_adds_to_the_blocks_backward_not_by_its_repl
 def test_plans_within_the_timing_noise_of_the_fastest_run_the_fewest_checkpointed_blocks():
     """Two recomputed blocks (2 x 10 ms) against one recomputed and two selective (10 + 2 x 4.8 ms = 19.6 ms): the
     mix is priced 2 % faster, within the noise of timed medians, so the run-time choice (``tie``) checkpoints the
-    fewer blocks; a mix clearly faster (2 x 3 ms) is still taken, and without ``tie`` the solver is exact."""
+    fewer blocks; so it does for the mix the calibration priced on the demo GPT (recompute 12.8 ms, selective
+    4.6 ms: 22.0 ms against 25.6 ms, 14 % faster, and 2 % slower per step when run); a mix clearly faster
+    (2 x 2 ms: 30 % faster) is still taken, and without ``tie`` the solver is exact."""
     def costs(selective_s):
         return [BlockCost(20 * MiB, 2 * MiB, recompute_s=0.010, selective_kept=12 * MiB,
                           selective_s=selective_s)] * 4
@@ -714,6 +716,9 @@ def test_plans_within_the_timing_noise_of_the_fastest_run_the_fewest_checkpointe
     assert exact.recompute_s == pytest.approx(0.0196)
     tied = plan_budget(costs(0.0048), budget, tie=TIME_TIE)
     assert tied.fits and sorted(tied.modes) == ["off", "off", "recompute", "recompute"]
-    clear = plan_budget(costs(0.003), budget, tie=TIME_TIE)
+    demo = [BlockCost(20 * MiB, 2 * MiB, recompute_s=0.0128, selective_kept=12 * MiB, selective_s=0.0046)] * 4
+    assert sorted(plan_budget(demo, budget).modes) == ["off", "recompute", "selective", "selective"]
+    assert sorted(plan_budget(demo, budget, tie=TIME_TIE).modes) == ["off", "off", "recompute", "recompute"]
+    clear = plan_budget(costs(0.002), budget, tie=TIME_TIE)
     assert sorted(clear.modes) == ["off", "recompute", "selective", "selective"]
-    assert clear.recompute_s == pytest.approx(0.016)
+    assert clear.recompute_s == pytest.approx(0.014)
