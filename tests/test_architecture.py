@@ -230,3 +230,35 @@ def test_the_engine_hears_its_features_through_one_interface():
                for node in ast.walk(hooks[name]) if isinstance(node, ast.Attribute) and node.attr in capabilities
                and isinstance(node.value, ast.Name) and node.value.id == "self"}
     assert not reached, sorted(reached)
+
+
+def test_no_capability_is_made_or_named_by_the_engine_or_the_out_of_memory_guard():
+    """Issue 38: the engine made the auto-toggle when it applied the plan and the budget at fit start, each by name,
+    kept them as attributes, and handed the out-of-memory guard the calibration, the controller and the gate, whose
+    retry then branched on each. Each feature says when it is made and whether a run wants it (``FEATURES``), and the
+    guard asks every feature of a retry (``retries_out_of_memory``, ``escalated``)."""
+    capabilities = {"budget", "toggle", "calibration", "shapes", "controller", "gate", "verification", "compiled"}
+    classes = {"AutoToggle", "BudgetFeature", "CompiledBlocks", "Verification"}
+    named = []
+    for module in ("engine", "recovery"):
+        tree = ast.parse((PACKAGE / "lightning" / f"{module}.py").read_text())
+        named += [f"{module}.py:{node.lineno} self.{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr in capabilities
+                  and isinstance(node.value, ast.Name) and node.value.id == "self"]
+        named += [f"{module}.py:{node.lineno} {node.func.id}(...)" for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in classes]
+    assert not named, named
+
+
+def test_each_feature_is_made_when_it_says_for_a_run_that_wants_it():
+    from lightning_ckpt.lightning.compiling import CompiledBlocks
+    from lightning_ckpt.lightning.engine import FEATURES, CheckpointingEngine
+    from lightning_ckpt.lightning.settings import Settings
+    from lightning_ckpt.lightning.verifying import Verification
+
+    assert [kind.made_at for kind in FEATURES] == ["engine", "engine", "fit", "plan"]
+    plain = CheckpointingEngine(Settings(policy="every:2"))
+    assert [type(f) for f in plain.features] == [CompiledBlocks]
+    checked = CheckpointingEngine(Settings(policy="every:2", verify=True, auto_threshold="1GiB"))
+    assert [type(f) for f in checked.features] == [Verification, CompiledBlocks]  # the auto-toggle: with the plan
+    assert checked.feature(Verification) is checked.features[0] and checked.feature(FEATURES[3]) is None

@@ -1,7 +1,8 @@
 """``auto_threshold`` in a Trainer: the auto-toggle, and its threshold applied per batch shape before each step.
 
 The engine (:mod:`lightning_ckpt.lightning.engine`) makes one :class:`AutoToggle` each time it applies the plan of a
-fit with ``auto_threshold``, and calls it at its hooks. It holds the
+fit with ``auto_threshold``, and calls it at its hooks; the out-of-memory guard tells it of a retry on a stronger
+rung (:meth:`AutoToggle.escalated`). It holds the
 :class:`~lightning_ckpt.decide.controller.Controller` (a pure state machine along ``ladder``: up as soon as the
 activation peak crosses the threshold, down after ``cooldown`` calm steps when the rung below is predicted under
 ``release × threshold``) and, with ``per_shape``, the :class:`~lightning_ckpt.lightning.gate.ShapeGate` that puts a
@@ -36,37 +37,50 @@ class AutoToggle(Feature):
     """The auto-toggle of one fit (see the module docstring).
 
     Args:
-        port: what the feature reaches of the run.
-        capacity: the device's memory in bytes, which a fractional ``auto_threshold`` is a share of.
+        port: what the feature reaches of the run; its ``capacity`` (the device's memory in bytes) is what a
+            fractional ``auto_threshold`` is a share of.
     """
 
     state_key = "controller"
+    made_at = "plan"
 
-    def __init__(self, port: PlanPort, capacity: Optional[int]) -> None:
+    def __init__(self, port: PlanPort) -> None:
         self.port = port
         s = port.settings
-        self.controller = Controller(threshold=resolve_threshold(s.auto_threshold, capacity), ladder=s.ladder,
+        self._capacity = port.capacity
+        self.controller = Controller(threshold=resolve_threshold(s.auto_threshold, self._capacity), ladder=s.ladder,
                                      release=s.release, cooldown=s.cooldown, level=s.ladder.index(s.start.spec))
         self.gate: Optional[ShapeGate] = None
 
-    def resize(self, capacity: int) -> None:
-        """The device's capacity read again (after the strategy's set-up): a fractional threshold follows it."""
-        self.controller.threshold = resolve_threshold(self.port.settings.auto_threshold, capacity)
+    @classmethod
+    def wanted(cls, settings: Any) -> bool:
+        return settings.auto_threshold is not None
 
     def fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """At fit start: the gate per batch shape (``per_shape``), and the ranks' host group the decisions agree
-        through."""
+        """At fit start: a fractional threshold follows the capacity read again after the strategy's set-up; the gate
+        per batch shape (``per_shape``), and the ranks' host group the decisions agree through."""
+        capacity = self.port.capacity
+        if capacity is not None and capacity != self._capacity:
+            self._capacity = capacity
+            self.controller.threshold = resolve_threshold(self.port.settings.auto_threshold, capacity)
         if self.port.settings.per_shape:
             self.gate = ShapeGate(self.port, self.controller, self.controller.threshold)
             self.gate.setup(trainer)
         self.port.ranks.setup(trainer)  # it decides on the reduced activation line: gathered on the host
 
-    def moved_to(self, level: int) -> None:
-        """The plan was put on rung ``level`` from outside the controller (an out-of-memory retry): it starts
-        counting its steps there."""
-        controller = self.controller
-        controller.level = level
+    def escalated(self, failed: str, now: str) -> str:
+        """An out-of-memory retry moved the plan from ``failed`` to the rung ``now``. A micro-batch the gate had put
+        above the controller's rung: its bucket learns it needs ``now``, the controller nothing. Otherwise the
+        controller counts its steps from ``now`` on and must not walk back into ``failed``."""
+        ladder, controller = list(self.port.settings.ladder), self.controller
+        if failed in ladder and self.gate is not None and ladder.index(failed) > controller.level:
+            self.gate.out_of_memory(ladder.index(now))
+            return ""
+        controller.level = ladder.index(now)
         controller.since_switch = controller.calm_steps = 0
+        if failed in ladder:
+            controller.out_of_memory(ladder.index(failed))
+        return ""
 
     def step_needs(self, trainer: "pl.Trainer") -> StepNeeds:
         """A decision step (every ``decide_every_n_steps``-th optimizer step) is measured, its activation line agreed

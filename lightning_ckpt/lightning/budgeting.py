@@ -66,13 +66,21 @@ class BudgetFeature(Feature):
         meter: the step monitor's memory meter, which the calibration reads the blocks' bytes with.
         trainer: the Trainer at fit start.
         pl_module: the LightningModule being fitted.
-        saved: the checkpoint's budget state (``state_dict()`` of an earlier run) to go on from, or ``None``.
     """
 
     state_key = "budget"
+    made_at = "fit"
 
-    def __init__(self, port: PlanPort, meter: Any, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                 saved: Optional[Dict[str, Any]] = None) -> None:
+    @classmethod
+    def wanted(cls, settings: Any) -> bool:
+        return settings.budget is not None
+
+    @classmethod
+    def make(cls, port: PlanPort, trainer: "Optional[pl.Trainer]" = None,
+             pl_module: "Optional[pl.LightningModule]" = None) -> "BudgetFeature":
+        return cls(port, port.meter, trainer, pl_module)
+
+    def __init__(self, port: PlanPort, meter: Any, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.port = port
         settings, plan, device = port.settings, port.plan, trainer.strategy.root_device
         budget = settings.budget.budget
@@ -95,8 +103,6 @@ class BudgetFeature(Feature):
         if not one_graph and settings.per_shape:  # one whole-model graph: one plan (lightning/shaped.py)
             self._start_shapes(trainer, (*modes, *[COMPILER_MODE] * bool(fractions)),
                                len(modes) + 1 + len(fractions) if caller is not None else 0)
-        if saved is not None:
-            self.load_state_dict(saved)
         if one_graph:
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -116,6 +122,17 @@ class BudgetFeature(Feature):
     def calibrating(self) -> bool:
         """The calibration has not chosen and verified its plan yet."""
         return not self.calibration.done
+
+    def retries_out_of_memory(self) -> bool:
+        """A calibration step that runs out of memory is retried under a stronger plan: it is no stage."""
+        return self.calibrating
+
+    def escalated(self, failed: str, now: str) -> str:
+        """A calibration step ran out of memory: the calibration takes back what its stage measured."""
+        if not self.calibrating:
+            return ""
+        self.calibration.out_of_memory()
+        return "a budget calibration step: recorded as not fitting, not as a stage"
 
     def step_needs(self, trainer: "pl.Trainer") -> StepNeeds:
         """A calibration step is measured with compiled code run eagerly (the blocks' hooks read each block)."""

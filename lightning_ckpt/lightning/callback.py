@@ -11,6 +11,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning_ckpt.core.policy import Policy
 from lightning_ckpt.core.wrap import CheckpointPlan
 from lightning_ckpt.decide.controller import Controller
+from lightning_ckpt.lightning.autotoggle import AutoToggle
+from lightning_ckpt.lightning.budgeting import BudgetFeature
 from lightning_ckpt.lightning.conflicts import ENGINE_ATTR
 from lightning_ckpt.lightning.engine import CheckpointingEngine
 from lightning_ckpt.lightning.metrics import TENSORBOARD_LAYOUT
@@ -145,7 +147,8 @@ class ActivationCheckpointing(Options, Callback):
 
     @property
     def controller(self) -> Optional[Controller]:
-        return self._engine.controller
+        toggle = self._engine.feature(AutoToggle)
+        return toggle.controller if toggle is not None else None
 
     @property
     def last_metrics(self) -> Dict[str, float]:
@@ -157,15 +160,16 @@ class ActivationCheckpointing(Options, Callback):
 
     @property
     def calibration(self):
-        return self._engine.calibration
+        budget = self._engine.feature(BudgetFeature)
+        return budget.calibration if budget is not None else None
 
     @property
     def shape_plans(self) -> Dict[Any, Any]:
         """With ``budget:``: each batch-shape bucket's plan (:class:`~lightning_ckpt.decide.shape_plans.BucketPlan`:
         per-block modes, predicted and last measured activation peak, steps, step time, tokens/s), keyed by the
         bucket's :class:`~lightning_ckpt.decide.shapes.Shape`; empty otherwise."""
-        shapes = self._engine.shapes
-        return dict(shapes.planner.plans) if shapes is not None else {}
+        budget = self._engine.feature(BudgetFeature)
+        return dict(budget.shapes.planner.plans) if budget is not None and budget.shapes is not None else {}
 
     def report(self, trainer: Optional["pl.Trainer"] = None) -> str:
         """The ledger report of the last measured step; with ``trainer`` (call it on every rank under DDP) rank

@@ -10,11 +10,12 @@ are one code path: the same metrics, the same checks, the same report.
 
 Every change of plan (auto-toggle, budget, escalation, resume) goes through :meth:`CheckpointingEngine.change_plan`.
 
-Each capability is a feature (:class:`~lightning_ckpt.lightning.feature.Feature`). The engine makes each one
-(``verify`` and the compiled blocks with itself, the auto-toggle when the plan is applied, a budget's run at fit
-start), then calls all it has at every hook, in one order: ``verify`` (:mod:`~lightning_ckpt.lightning.verifying`),
-the blocks compiled one by one (:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run
-(:mod:`~lightning_ckpt.lightning.budgeting`) and the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`). The
+Each capability is a feature (:class:`~lightning_ckpt.lightning.feature.Feature`), listed in :data:`FEATURES`. The
+engine makes each one the run wants when the feature says (with the engine, when the plan is applied, or at fit
+start), then calls all it has at every hook, in that list's order: ``verify``
+(:mod:`~lightning_ckpt.lightning.verifying`), the blocks compiled one by one
+(:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run (:mod:`~lightning_ckpt.lightning.budgeting`)
+and the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`). The
 measurement of each step (:mod:`~lightning_ckpt.lightning.measuring`) hands the measured steps to them; the
 out-of-memory guard (:mod:`~lightning_ckpt.lightning.recovery`) and the end-of-fit report
 (:mod:`~lightning_ckpt.lightning.reporting`) are objects of their own. All of them reach the run through one
@@ -24,7 +25,7 @@ out-of-memory guard (:mod:`~lightning_ckpt.lightning.recovery`) and the end-of-f
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Type, TypeVar, Union
 
 from lightning_ckpt.core.offload import release_host_memory
 from lightning_ckpt.core.policy import Policy, parse_policy
@@ -53,7 +54,13 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
     import torch
 
-__all__ = ["REPORT_FILE", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
+__all__ = ["FEATURES", "REPORT_FILE", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
+
+FEATURES = (Verification, CompiledBlocks, BudgetFeature, AutoToggle)
+"""The run's capabilities, in the order they hear each hook; each is made when it says (``Feature.made_at``), for a
+run that wants it (``Feature.wanted``)."""
+
+F = TypeVar("F", bound=Feature)
 
 
 class CheckpointingEngine:
@@ -72,19 +79,17 @@ class CheckpointingEngine:
         self.module: Optional["pl.LightningModule"] = None
         self.on_accelerator = False
         self._skipped: list = []
-        self.toggle: Optional[AutoToggle] = None  # auto_threshold: the controller and its gate per batch shape
-        self.budget: Optional[BudgetFeature] = None  # budget: its calibration and plans per batch shape, this fit
         self.ranks = HostGroup()  # runs that agree between steps: a gloo group, so agreeing never waits for the device
         self.phase = PhaseTracker()
         self.port = PlanPort(self)  # what the features, the guard, the measurement and the report reach of the run
         self.guard = StepGuard(self.port, self.phase)  # out-of-memory errors, with snapshot_on_oom's record
         self.record = RunReport(self.port)  # what the end-of-fit report reads of the measured steps
         self.measurement = StepMeasurement(self.port, self.record)  # which steps are measured, their figures
-        self.compiled = CompiledBlocks(self.port)
-        self.verification = Verification(self.port) if settings.verify else None
         self.capacity: Optional[int] = settings.capacity_bytes
         self.saved = SavedRun(self.port)  # what a checkpoint keeps of the run, and its restoring
         self._handles: list = []  # forward pre-hook, replay hook
+        self.features: List[Feature] = []  # the capabilities of this run, in the order of FEATURES
+        self._make("engine")
 
     # ------------------------------------------------------------------------------------------ describing
     @property
@@ -102,12 +107,6 @@ class CheckpointingEngine:
         rank_zero_info(f"lightning_ckpt: {message}")
 
     @property
-    def calibration(self) -> Any:
-        """A ``budget:`` policy's calibration (:class:`~lightning_ckpt.decide.calibration.BudgetCalibration`) this
-        fit, or ``None``."""
-        return self.budget.calibration if self.budget is not None else None
-
-    @property
     def last_result(self) -> Optional[StepResult]:
         """The last measured step's result this fit (the report's), or ``None``."""
         return self.record.last_result
@@ -117,21 +116,20 @@ class CheckpointingEngine:
         """The last reference step's peaks with their tensors named, or ``None``."""
         return self.record.last_attribution
 
-    @property
-    def controller(self) -> Any:
-        """The auto-toggle's :class:`~lightning_ckpt.decide.controller.Controller`, or ``None``."""
-        return self.toggle.controller if self.toggle is not None else None
+    def feature(self, kind: Type[F]) -> Optional[F]:
+        """This run's feature of class ``kind`` (e.g. ``BudgetFeature``), or ``None`` (for the callback's read-only
+        properties and for tests)."""
+        return next((feature for feature in self.features if isinstance(feature, kind)), None)
 
-    @property
-    def gate(self) -> Any:
-        """The auto-toggle's gate per batch shape (:class:`~lightning_ckpt.lightning.gate.ShapeGate`), or ``None``."""
-        return self.toggle.gate if self.toggle is not None else None
-
-    @property
-    def features(self) -> List[Feature]:
-        """The capabilities of this fit, in the order they hear each hook."""
-        return [feature for feature in (self.verification, self.compiled, self.budget, self.toggle)
-                if feature is not None]
+    def _make(self, moment: str, trainer: Optional["pl.Trainer"] = None,
+              pl_module: Optional["pl.LightningModule"] = None) -> List[Feature]:
+        """Make the features made at ``moment`` (``Feature.made_at``) that this run wants, in place of those made
+        then before (each fit calibrates again; each applied plan has its own auto-toggle); the new ones."""
+        made = [kind.make(self.port, trainer, pl_module) for kind in FEATURES
+                if kind.made_at == moment and kind.wanted(self.settings)]
+        kept = [feature for feature in self.features if type(feature).made_at != moment]
+        self.features = sorted(kept + made, key=lambda feature: FEATURES.index(type(feature)))
+        return made
 
     @property
     def monitor(self) -> Optional[StepMonitor]:
@@ -142,12 +140,6 @@ class CheckpointingEngine:
     def last_metrics(self) -> Dict[str, float]:
         """The figures of the last measured step, as logged (reduced across ranks where they were)."""
         return self.measurement.last_metrics
-
-    @property
-    def shapes(self) -> Any:
-        """A ``budget:`` policy's plans per batch shape (:class:`~lightning_ckpt.lightning.shaped.ShapeSteps`), or
-        ``None``."""
-        return self.budget.shapes if self.budget is not None else None
 
     # ------------------------------------------------------------------------------------------ set-up
     def setup(self, trainer: "pl.Trainer", stage: str) -> None:
@@ -183,11 +175,10 @@ class CheckpointingEngine:
         for feature in self.features:
             feature.plan_applied(trainer)
         self.capacity = self.settings.capacity_bytes or device_capacity(trainer.strategy.root_device)
-        if self.settings.auto_threshold is not None:
-            self.toggle = AutoToggle(self.port, self.capacity)
+        made = self._make("plan", trainer)
         self._check_replay_safety()
         conflicts.refuse_regions_across_shards(trainer.strategy, self.plan, self._reachable_policies())
-        self.saved.plan_applied(self._made_with_plan())
+        self.saved.plan_applied(made)  # a checkpoint restored before the plan was applied goes in now
         self.info(self.plan.summary().splitlines()[0].removeprefix("lightning_ckpt "))
         return self.plan
 
@@ -202,15 +193,13 @@ class CheckpointingEngine:
         self._handles.append(register_replay_hook(self.guard.note_replay))
         if self.plan.blocks:
             self._handles.append(self.plan.blocks[0].register_forward_pre_hook(lambda *_: self.phase.forward_start()))
-        if s.budget is not None:  # each fit calibrates, or goes on from what a checkpoint saved of it
-            saved = self.saved.take(BudgetFeature.state_key)
-            self.budget = BudgetFeature(self.port, self.monitor.meter, trainer, pl_module, saved)
-            self.saved.made(self.budget)
+        for feature in self._make("fit", trainer, pl_module):  # each fit's own, or going on from a checkpoint's state
+            self.saved.made(feature)
         if s.snapshot_on_oom:
             self.guard.record(trainer)
         for feature in self.features:
             feature.fit_start(trainer, pl_module)
-        self.guard.configure(trainer, self.calibration, self.controller, self.gate)
+        self.guard.configure(trainer)
         if s.measure:
             self.measurement.prepare_loggers(trainer)
 
@@ -222,11 +211,8 @@ class CheckpointingEngine:
         if self.settings.capacity_bytes is not None:
             return
         capacity = device_capacity(device)
-        if capacity is None or capacity == self.capacity:
-            return
-        self.capacity = capacity
-        if self.toggle is not None:
-            self.toggle.resize(capacity)
+        if capacity is not None:
+            self.capacity = capacity
 
     def _reachable_policies(self) -> list:
         """The policies this run may apply: the starting one, and the ladder when the plan can change."""
@@ -235,7 +221,7 @@ class CheckpointingEngine:
         return [self.policy, *(parse_policy(rung) for rung in ladder)]
 
     # ------------------------------------------------------------------------------------------ plan changes
-    def change_plan(self, policy: Union[str, Policy], level: Optional[int] = None) -> None:
+    def change_plan(self, policy: Union[str, Policy]) -> None:
         """Switch the plan between optimizer steps; the one way a running plan changes (see the module doc).
 
         A plan that would offload more than the node's host memory can hold (measured in an earlier offloaded step)
@@ -246,8 +232,6 @@ class CheckpointingEngine:
             warnings.warn(f"lightning_ckpt: {refusal}", RuntimeWarning, stacklevel=2)
             return
         self.plan.retarget(policy)
-        if level is not None and self.toggle is not None:
-            self.toggle.moved_to(level)
         self._check_replay_safety()
 
     def restore_plan(self, state: Dict[str, Any]) -> None:
@@ -337,8 +321,3 @@ class CheckpointingEngine:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore a checkpoint's plan and features' state (now, or when this run applies its plan)."""
         self.saved.load_state_dict(state)
-
-    def _made_with_plan(self) -> List[Feature]:
-        """The features made when the plan is applied (those of fit start are made later, and take their state
-        then)."""
-        return [self.toggle] if self.toggle is not None else []

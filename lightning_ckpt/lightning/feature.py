@@ -7,6 +7,11 @@ feature (with the engine, when the plan is applied, or at fit start) and from th
 the same hooks, in one order, never asking which one it is; a feature reaches the run only through its
 :class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no hook of the engine
 grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
+
+A feature says itself when it is made (:attr:`Feature.made_at`) and whether a run wants it (:meth:`Feature.wanted`);
+the engine's list of feature classes (``FEATURES`` in :mod:`~lightning_ckpt.lightning.engine`) gives the order they
+hear each hook in. The out-of-memory guard (:mod:`~lightning_ckpt.lightning.recovery`) asks every feature whether its
+steps are retried (:meth:`Feature.retries_out_of_memory`) and tells each of a retry (:meth:`Feature.escalated`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
+    from lightning_ckpt.lightning.port import PlanPort
+    from lightning_ckpt.lightning.settings import Settings
     from lightning_ckpt.measure.monitor import StepResult
 
 __all__ = ["NOTHING", "Feature", "StepEnd", "StepNeeds"]
@@ -69,6 +76,22 @@ class Feature:
     """
 
     state_key: Optional[str] = None
+    made_at = "engine"
+    """When the engine makes it: ``"engine"`` (once, with the engine), ``"plan"`` (each time the plan is applied; a
+    checkpoint's state goes in once the plan is) or ``"fit"`` (at each fit start, once the step measurement has
+    started; a checkpoint's state goes in then)."""
+
+    @classmethod
+    def wanted(cls, settings: "Settings") -> bool:
+        """Whether a run with these settings has this feature."""
+        return True
+
+    @classmethod
+    def make(cls, port: "PlanPort", trainer: "Optional[pl.Trainer]" = None,
+             pl_module: "Optional[pl.LightningModule]" = None) -> "Feature":
+        """The feature for this run (``trainer`` and ``pl_module``: where it is made when the plan is applied or at
+        fit start)."""
+        return cls(port)  # type: ignore[call-arg]
 
     def plan_applied(self, trainer: "pl.Trainer") -> None:
         """The plan was just applied to the model: by the strategy's set-up, before it wraps the model (at fit start
@@ -124,6 +147,16 @@ class Feature:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """A checkpoint's :meth:`state_dict` of it: go on from there."""
+
+    def retries_out_of_memory(self) -> bool:
+        """Whether a step that runs out of memory now is retried under a stronger plan (in one process) whatever
+        ``on_oom`` says: a step of its own that may not fit by design."""
+        return False
+
+    def escalated(self, failed: str, now: str) -> str:
+        """A step ran out of memory under the policy ``failed`` and is retried under ``now`` (its attempt's tensors
+        not yet released); what the retry's message adds, in parentheses (``""``: nothing)."""
+        return ""
 
     def close(self) -> None:
         """The run ends (normally or not): remove every hook it installed."""

@@ -65,14 +65,12 @@ class SavedRun:
             state, self._pending = self._pending, None
             self._restore(state)
 
-    def take(self, key: str) -> Optional[Dict[str, Any]]:
-        """The saved state for the feature keeping it under ``key``, about to be made at fit start (``None``: it
-        starts afresh)."""
-        return self._waiting.pop(key, None)
-
     def made(self, feature: Feature) -> None:
-        """A feature made at fit start: a checkpoint restored after it (a strategy that restores after its set-up)
-        goes into it."""
+        """A feature made at fit start: the saved state waiting for it goes in now (none: it starts afresh), and a
+        checkpoint restored after it (a strategy that restores after its set-up) goes into it."""
+        waiting = self._waiting.pop(feature.state_key, None) if feature.state_key is not None else None
+        if waiting is not None:
+            feature.load_state_dict(waiting)
         self._made.append(feature)
 
     def state_dict(self, features: Sequence[Feature]) -> Dict[str, Any]:

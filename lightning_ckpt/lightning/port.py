@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_ckpt.core.policy import Policy
     from lightning_ckpt.core.wrap import CheckpointPlan
+    from lightning_ckpt.lightning.feature import Feature
     from lightning_ckpt.lightning.settings import Settings
     from lightning_ckpt.measure.ledger import Ledger
 
@@ -64,6 +65,17 @@ class PlanPort:
         return self._engine.capacity
 
     @property
+    def meter(self) -> Any:
+        """The step monitor's memory meter (:class:`~lightning_ckpt.measure.meter.StepMeter`), from fit start."""
+        return self._engine.measurement.monitor.meter
+
+    @property
+    def features(self) -> "Sequence[Feature]":
+        """The run's features (:mod:`~lightning_ckpt.lightning.feature`), in the order they hear each hook: the
+        out-of-memory guard asks them of a retry."""
+        return self._engine.features
+
+    @property
     def last_ledger(self) -> "Optional[Ledger]":
         """The memory ledger of the last measured step (``None`` before one)."""
         result = self._engine.last_result
@@ -99,9 +111,9 @@ class PlanPort:
         """Put the blocks in ``modes``, with the plan's safety check (the one way a feature changes modes)."""
         self._engine.set_modes(modes)
 
-    def change_plan(self, policy: "Union[str, Policy]", level: Optional[int] = None) -> None:
-        """Run ``policy`` from the next forward on (``level``: the auto-toggle's position it stands for)."""
-        self._engine.change_plan(policy, level)
+    def change_plan(self, policy: "Union[str, Policy]") -> None:
+        """Run ``policy`` from the next forward on."""
+        self._engine.change_plan(policy)
 
     def restore_plan(self, state: Dict[str, Any]) -> None:
         """Put back a checkpoint's plan (its policy, then its modes), with the plan's safety check."""

@@ -209,9 +209,6 @@ class StepGuard:
     def __init__(self, port: "PlanPort", tracker: PhaseTracker) -> None:
         self.port = port
         self.tracker = tracker
-        self.calibration: Any = None  # a budget's calibration: its own out-of-memory steps are retried
-        self.controller: Any = None  # the auto-toggle: it hears that its rung ran out of memory
-        self.gate: Any = None  # the auto-toggle's gate per batch shape: its bucket hears it instead, when it raised
         self.snapshot: Optional[OOMSnapshot] = None  # snapshot_on_oom: the allocator's record
         self.replaying: Optional[str] = None  # the region replayed last: named when its replay misbehaves
         self.world_size = 1
@@ -230,13 +227,11 @@ class StepGuard:
         """The Trainer of the run (every stage): its stage names an evaluation loop's errors."""
         self.trainer = trainer
 
-    def configure(self, trainer: Any, calibration: Any = None, controller: Any = None, gate: Any = None) -> None:
-        """At fit start: read what the retry depends on from the Trainer, and hear of the features an out-of-memory
-        error concerns (each ``None`` where the run has none). The accumulation is read at every step instead:
-        ``GradientAccumulationScheduler`` sets it later, per epoch."""
+    def configure(self, trainer: Any) -> None:
+        """At fit start: read what the retry depends on from the Trainer. The accumulation is read at every step
+        instead: ``GradientAccumulationScheduler`` sets it later, per epoch."""
         self.trainer = trainer
         self.world_size = trainer.world_size
-        self.calibration, self.controller, self.gate = calibration, controller, gate
 
     def record(self, trainer: Any) -> None:
         """``snapshot_on_oom``: record the allocator's history from now on (CUDA; a warning elsewhere), each fit."""
@@ -334,14 +329,13 @@ class StepGuard:
             pass
         return result
 
-    def _calibrating(self) -> bool:
-        """A budget calibration is running (its stages, or the step verifying its choice)."""
-        calibration = self.calibration
-        return calibration is not None and not calibration.done
+    def _feature_retries(self) -> bool:
+        """A feature's own step may not fit by design (a budget's calibration): it is retried whatever on_oom says."""
+        return any(feature.retries_out_of_memory() for feature in self.port.features)
 
     def _retries(self) -> bool:
-        """Whether an out-of-memory step is retried: escalation on, or the budget's calibration; one process."""
-        return (self.port.settings.on_oom == "escalate" or self._calibrating()) and self.world_size == 1
+        """Whether an out-of-memory step is retried: escalation on, or a feature's own step; one process."""
+        return (self.port.settings.on_oom == "escalate" or self._feature_retries()) and self.world_size == 1
 
     def _journal(self) -> Optional[GradientJournal]:
         """A journal only where a retry would otherwise double-count: a retry possible, earlier micro-batches' grads."""
@@ -362,12 +356,8 @@ class StepGuard:
             return False
         phase = self.phase(err)  # before the chain is released: the traceback says whether compiled code raised it
         ladder, before, spec, policy = list(port.settings.ladder), plan.layout, plan.spec, plan.policy
-        controller = self.controller
-        # a micro-batch the shape gate put above the controller's rung: its bucket learns, not the controller
-        gated = self.gate is not None and controller is not None and spec in ladder and \
-            ladder.index(spec) > controller.level
         for rung in stronger_rungs(before, ladder, accelerator=port.on_accelerator):
-            port.change_plan(rung, level=None if gated else ladder.index(rung))
+            port.change_plan(rung)
             # stronger as applied: the safety checks may keep some blocks off (stateful="skip")
             if stronger(plan.layout, before, accelerator=port.on_accelerator):
                 break
@@ -375,20 +365,15 @@ class StepGuard:
             if plan.layout != before:
                 port.change_plan(policy)
             return False
-        if gated:
-            self.gate.out_of_memory(ladder.index(plan.spec))
-        elif controller is not None and spec in ladder:  # it must not walk back into the policy that failed
-            controller.out_of_memory(ladder.index(spec))
-        calibration = self.calibration if self._calibrating() else None
-        if calibration is not None:  # before the release: it drops what the stage captured of the failed attempt
-            calibration.out_of_memory()
+        # before the release: a budget's calibration drops what its stage captured of the failed attempt
+        notes = [note for note in (feature.escalated(spec, rung) for feature in port.features) if note]
         release_failed_attempt(err, keep=outside)  # the chain's frames hold the failed attempt's tensors
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.tracker.batch_start()
         port.restart_step()
-        note = " (a budget calibration step: recorded as not fitting, not as a stage)" if calibration else ""
+        note = "".join(f" ({note})" for note in notes)
         port.info(f"out of memory in the {phase.replace('_', ' ')} phase under policy {spec!r}{note}; retrying "
                     f"the same micro-batch with policy {plan.spec!r} ({plan.num_checkpointed}/{plan.num_blocks} "
                     "blocks checkpointed)")
@@ -434,7 +419,7 @@ class StepGuard:
     def _retry_note(self, phase: str, where: str) -> str:
         """Why an escalating run did not retry this error, fix first (nothing when it was never to be retried)."""
         port = self.port
-        if not (port.settings.on_oom == "escalate" or self._calibrating()):
+        if not (port.settings.on_oom == "escalate" or self._feature_retries()):
             return ""
         if phase in EVALUATION_PHASES:
             return ("Not retried: on_oom='escalate' retries training steps only, and an evaluation loop has no "

@@ -32,6 +32,10 @@ class Verification(Feature):
         self.port = port
         self.verified = False
 
+    @classmethod
+    def wanted(cls, settings: Any) -> bool:
+        return bool(settings.verify)
+
     def before_batch(self, pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         if self.verified:
             return

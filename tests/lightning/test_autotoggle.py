@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_ckpt import ActivationCheckpointing, get_plan
 from lightning_ckpt.decide.diagnosis import OutOfMemoryDiagnosis
+from lightning_ckpt.lightning.autotoggle import AutoToggle
 
 GiB = 2**30
 
@@ -220,7 +221,7 @@ def test_a_fractional_threshold_follows_the_capacity_read_after_the_strategys_se
     Trainer(**trainer_kwargs(tmp_path, max_steps=1, limit_val_batches=0, num_sanity_val_steps=0),
             callbacks=[cb]).fit(TinyTransformer(batch_size=4))
     engine = cb._engine
-    assert engine.capacity == 9 * GiB and engine.controller.threshold == int(0.5 * 9 * GiB)
+    assert engine.capacity == 9 * GiB and engine.feature(AutoToggle).controller.threshold == int(0.5 * 9 * GiB)
     assert engine.monitor.capacity == 9 * GiB
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from lightning_ckpt import ActivationCheckpointing
 from lightning_ckpt.core.units import unit_for
 from lightning_ckpt.decide.diagnosis import OutOfMemoryDiagnosis
+from lightning_ckpt.lightning.verifying import Verification
 
 OOM = "CUDA out of memory. Tried to allocate 4.00 GiB (injected)"
 
@@ -160,7 +161,7 @@ def test_batchnorm_in_a_checkpointed_block_warns_in_the_trainer(tmp_path):
 def test_verify_passes_on_a_correct_model_and_raises_on_a_mutable_block(tmp_path):
     cb = ActivationCheckpointing(policy="all", verify=True)
     Trainer(**trainer_kwargs(tmp_path, max_steps=2), callbacks=[cb]).fit(TinyTransformer(dropout=0.1))
-    assert cb._engine.verification.verified
+    assert cb._engine.feature(Verification).verified
 
     from lightning_ckpt.decide.verify import EquivalenceError
 

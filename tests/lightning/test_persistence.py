@@ -63,7 +63,10 @@ def test_the_auto_toggles_rung_goes_back_before_the_plan_and_a_budgets_state_aft
     assert port.calls == []
     saved.plan_applied([toggle])
     assert port.calls == [("load", "controller"), ("restore_plan", "every:2")]
-    assert saved.take("budget") == {"calibration": 1} and saved.take("budget") is None
+    budget, later = Kept("budget", port.calls), Kept("budget", port.calls)
+    saved.made(budget)  # this fit's budget, made at its start, takes the state; nothing is left for another
+    saved.made(later)
+    assert budget.loaded == {"calibration": 1} and later.loaded is None
 
 
 def test_a_checkpoint_restored_after_fit_start_goes_into_this_fits_budget():
@@ -74,8 +77,8 @@ def test_a_checkpoint_restored_after_fit_start_goes_into_this_fits_budget():
     saved.run_starts()
     saved.plan_applied([])
     budget = Kept("budget", port.calls)
-    assert saved.take("budget") is None  # nothing restored yet when the budget is made
     saved.made(budget)
+    assert budget.loaded is None  # nothing restored yet when the budget is made
     saved.load_state_dict(_saved(budget={"calibration": 1}) | {"policy": "budget:3MiB"})
     assert budget.loaded == {"calibration": 1}
     assert port.calls == [("restore_plan", "every:2"), ("load", "budget")]

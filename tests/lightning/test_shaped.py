@@ -13,6 +13,8 @@ from lightning_ckpt import ActivationCheckpointing
 from lightning_ckpt.decide.shapes import Shape
 from lightning_ckpt.demos import GPTLightningModule
 from lightning_ckpt.demos.hf import HFCausalLMModule
+from lightning_ckpt.lightning.autotoggle import AutoToggle
+from lightning_ckpt.lightning.budgeting import BudgetFeature
 
 MiB = 2**20
 VOCAB = 96
@@ -97,7 +99,7 @@ def test_the_configs_maximum_positions_never_refuse_a_run_and_the_longest_length
     class Check(Callback):  # after the first step, while the run's batch is at hand: every block recomputed, traced
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
-            shapes = cb._engine.shapes
+            shapes = cb._engine.feature(BudgetFeature).shapes
             if batch_idx == 0 and shapes.longest is not None:
                 n = shapes.longest.lengths[0]
                 checked.update({length: shapes.trace(Shape(4, (length,)), [("recompute",) * 4])[0]
@@ -108,7 +110,7 @@ def test_the_configs_maximum_positions_never_refuse_a_run_and_the_longest_length
         cb, rows = _fit(tmp_path, _gpt(), [_batch(32, seed=i) for i in range(4)], "budget:3MiB", callbacks=[Check()])
     finally:
         logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(handler)
-    longest, target = cb._engine.shapes.longest, cb.calibration.target
+    longest, target = cb._engine.feature(BudgetFeature).shapes.longest, cb.calibration.target
     assert longest is not None and longest.samples == 4 and 32 <= longest.lengths[0] < 256
     n = longest.lengths[0]
     assert checked[n] <= target < checked[n + 8] / 0.97  # it holds there, and the search stopped near the limit
@@ -192,7 +194,7 @@ def test_the_allocators_cache_over_varying_shapes_is_reported_with_the_fix_when_
     """On CUDA every measured step logs memory/cache_gib; fed here as a GPU run would (the CPU has no cache)."""
     batches = [_batch(32, seed=i) for i in range(11)]
     cb, _ = _fit(tmp_path, _gpt(), batches, "budget:8MiB")
-    shapes, key = cb._engine.shapes, cb._engine.measurement.key
+    shapes, key = cb._engine.feature(BudgetFeature).shapes, cb._engine.measurement.key
     cb._engine.capacity = 4 * 2**30
     assert shapes.cache_report() is None  # no allocator on the CPU: nothing invented
     for cache in (0.10, 0.12, 0.11):
@@ -216,7 +218,8 @@ def test_the_auto_toggle_raises_a_long_batch_before_it_runs_and_short_ones_stay_
     long = [(n, peak) for length, n, peak in by_step if length == 256]
     assert all(n > 0 and peak <= 6 * MiB for n, peak in long), long
     assert cb.controller.level == 0  # raised steps taught the controller nothing about its rung
-    assert "2 x" not in str(cb._engine.gate.report()) and "4 x 256" in cb._engine.gate.report()["buckets"]
+    gate = cb._engine.feature(AutoToggle).gate.report()
+    assert "2 x" not in str(gate) and "4 x 256" in gate["buckets"]
     after, plain = _fit(tmp_path / "after", _gpt(), batches[:7], None,
                         callback=dict(auto_threshold="6MiB", per_shape=False))
     assert plain[6][0] == 256 and plain[6][2] > 6 * MiB  # ran on 'none', over the threshold
