@@ -217,7 +217,7 @@ class CheckpointingEngine:
     def _reachable_policies(self) -> list:
         """The policies this run may apply: the starting one, and the ladder when the plan can change."""
         s = self.settings
-        ladder = s.ladder if s.auto_threshold is not None or s.on_oom == "escalate" else ()
+        ladder = s.ladder if s.acts("ladder") else ()
         return [self.policy, *(parse_policy(rung) for rung in ladder)]
 
     # ------------------------------------------------------------------------------------------ plan changes

@@ -68,7 +68,7 @@ class SavedRun:
     def made(self, feature: Feature) -> None:
         """A feature made at fit start: the saved state waiting for it goes in now (none: it starts afresh), and a
         checkpoint restored after it (a strategy that restores after its set-up) goes into it."""
-        waiting = self._waiting.pop(feature.state_key, None) if feature.state_key is not None else None
+        waiting = self._waiting.pop(feature.state_key, None)
         if waiting is not None:
             feature.load_state_dict(waiting)
         self._made.append(feature)

@@ -249,12 +249,17 @@ class Settings:
         """An argument given that only acts with another, which is not: said before any training (the run goes on;
         nothing reads it)."""
         for name in given:
-            acts, partner = _ACTS_WITH[name]
-            if not acts(self):
+            if not self.acts(name):
+                partner = _ACTS_WITH[name][1]
                 value = getattr(self, name)
                 value = list(value) if isinstance(value, tuple) else value  # the ladder, as it was given
                 warnings.warn(f"{_UNUSED_PREFIX}{partner} as well, or leave {name} out: {name}={value!r} does nothing "
                               "without it.", UserWarning, stacklevel=5)
+
+    def acts(self, name: str) -> bool:
+        """Whether the argument ``name``, one that acts only together with another (``ladder``, ``release``,
+        ``cooldown``, ``decide_every_n_steps``, ``max_shape``, ``per_shape``), acts in this run."""
+        return _ACTS_WITH[name][0](self)
 
     @property
     def changes_plan(self) -> str:

@@ -51,3 +51,13 @@ def test_settings_replaced_say_nothing_again():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         settings.replace(measure=False, decide_every_n_steps=10**9)
+
+
+def test_the_run_reads_whether_an_argument_acts_from_the_same_table_that_warns():
+    """The engine wrote the ladder's rule again (the policies a run may reach); it asks the settings now."""
+    from lightning_ckpt.lightning.settings import Settings
+
+    assert Settings(policy="all", on_oom="escalate").acts("ladder")
+    assert Settings(policy="all", auto_threshold="1GiB").acts("ladder")
+    assert not Settings(policy="all").acts("ladder")
+    assert Settings(policy="budget:1GiB").acts("max_shape") and not Settings(policy="all").acts("max_shape")
