@@ -29,11 +29,18 @@ from lightning_ckpt.decide.budget import (
 )
 from lightning_ckpt.decide.choose import BUDGET_MARGIN, TIME_TIE, CheckedChoice
 
-__all__ = ["COMPILER_FRACTIONS", "BudgetCalibration"]
+__all__ = ["COMPILER_FRACTIONS", "TIME_KINDS", "BudgetCalibration"]
 
 COMPILER_FRACTIONS = (0.0, 0.25, 0.5, 0.75)
 """The compiler budgets offered per block when the blocks are compiled one by one: with ``off``, ``recompute`` and
 ``selective`` that is 7 graphs per block class, under dynamo's default ``recompile_limit`` of 8."""
+
+TIME_KINDS = ("time", "second time")
+"""The time steps each calibration plan runs after its bytes step: two, because one timed step a plan priced a
+mode with the noise of one step: on the 4-block Llama at 75 % of the way to ``none``, four runs priced a selective
+block 4.5 to 18.5 ms and one of them chose four selective blocks, slower than the two recomputed blocks every run
+of two timed steps chose (12 to 19 ms). Each has its own kind so that a stage replaced by stronger ones (out of
+memory, or predicted above the budget) is replaced by stronger ones of the same kind, still timed twice."""
 
 
 class BudgetCalibration:
@@ -42,11 +49,11 @@ class BudgetCalibration:
     Steps (one optimizer step each, driven by the callback; no Lightning here):
 
     1. For each mode in ``modes`` (default ``recompute`` and ``selective``; ``offload`` too on CUDA), the mode on
-       blocks 0, 2, 4, … and ``off`` on the others, then the complement; each of these two plans runs two steps:
+       blocks 0, 2, 4, … and ``off`` on the others, then the complement; each of these two plans runs three steps:
        a **bytes** step (the first step of a plan is an exact reference step: ``off`` blocks give their saved
-       bytes, blocks in the mode the bytes they keep and, in backward, what their replay creates) and a **time**
-       step (default mode, no per-operator tracking that would skew times): the forward of every block, and the
-       replay of the blocks in the mode. A mode's time is its forward's extra time over ``off`` plus its replay
+       bytes, blocks in the mode the bytes they keep and, in backward, what their replay creates) and two **time**
+       steps (:data:`TIME_KINDS`; default mode, no per-operator tracking that would skew times): the forward of
+       every block, and the replay of the blocks in the mode. A mode's time is its forward's extra time over ``off`` plus its replay
        (offload: the extra forward time twice, out and back). Memory stays between the ``every:2`` level and the
        un-checkpointed one, never above it.
        When the blocks run compiled (``block_caller`` given), hooks cannot time a compiled forward or replay and
@@ -137,7 +144,7 @@ class BudgetCalibration:
         self.compiler_modes = _compiler_modes(compiler_fractions, block_caller)
         # every block recomputed first: its peak is a replay in backward, which tells the backward base apart
         self.block_caller, self.repeats = block_caller, repeats
-        kinds = ("bytes",) if block_caller is not None or not times else ("bytes", "time")
+        kinds = ("bytes",) if block_caller is not None or not times else ("bytes",) + TIME_KINDS
         self._choosing, self._timing = choose, times
         n = plan.num_blocks
 
@@ -845,7 +852,7 @@ class BudgetCalibration:
                 return
             self.boundary[index] = max(self.boundary[index], sum(
                 a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
-            if self.calibrating and self.stages[self.stage][2] == "time":
+            if self.calibrating and self.stages[self.stage][2] in TIME_KINDS:
                 self._time_backward(index, args, end=True)
             self.synchronize()
             self._open[index] = (time.perf_counter(), self._saved_activations(), self._live())
@@ -862,7 +869,7 @@ class BudgetCalibration:
             t0, saved0, live0 = self._open.pop(index)
             elapsed = time.perf_counter() - t0
             mode, kind = self.plan.modes[index], self.stages[self.stage][2] if self.calibrating else None
-            if kind == "time":
+            if kind in TIME_KINDS:
                 (self.seconds if mode == "off" else self.forward_seconds[mode])[index].append(elapsed)
                 self._time_backward(index, output, end=False)
             elif kind == "bytes" and mode == "off":

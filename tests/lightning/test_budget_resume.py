@@ -16,6 +16,7 @@ from lightning_ckpt.demos import GPTLightningModule
 MiB = 2**20
 VOCAB = 96
 BUDGET = 3 * MiB
+STEPS = 36  # the calibration (about 20 steps at this budget), then the chosen plan and its per-shape plans
 
 
 def _batch(length: int, seed: int) -> dict:
@@ -53,7 +54,7 @@ def test_a_resumed_budget_goes_on_where_it_stopped(tmp_path, at):
     """Saved during the calibration, the resumed run runs only the stages left; saved after it, it runs the chosen
     plan at once (the old code calibrated again from its first stage, its half-off stages above the budget); every
     step of both runs within the budget, and the saved policy is the budget, not the plan it chose."""
-    whole, rows = _run(tmp_path / "whole", steps=24)
+    whole, rows = _run(tmp_path / "whole", steps=STEPS)
     calibration_steps = next(step for step, _, _, done in rows if done)
     assert calibration_steps >= 4
     stop = calibration_steps // 2 if at == "during" else calibration_steps + 2
@@ -62,8 +63,8 @@ def test_a_resumed_budget_goes_on_where_it_stopped(tmp_path, at):
     (state,) = [v for k, v in saved.items() if "ActivationCheckpointing" in k]
     assert state["policy"] == "budget:3MiB" and "budget" in state
 
-    resumed, after = _run(tmp_path / "resumed", steps=24, ckpt_path=str(ckpt))
-    assert [step for step, *_ in after] == list(range(stop + 1, 25))
+    resumed, after = _run(tmp_path / "resumed", steps=STEPS, ckpt_path=str(ckpt))
+    assert [step for step, *_ in after] == list(range(stop + 1, STEPS + 1))
     assert all(peak is None or peak <= BUDGET for _, _, peak, _ in rows + after)
     # the resumed run took up the stages where the saved one stood: it ran no stage twice
     assert len(resumed.calibration.stages) == len(whole.calibration.stages)
@@ -81,7 +82,7 @@ def test_a_budget_resumed_by_a_strategy_that_restores_after_its_setup_does_not_c
     resumed one calibrated again from its first stage. It goes into this fit's budget now."""
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    whole, rows = _run(tmp_path / "whole", steps=24)
+    whole, rows = _run(tmp_path / "whole", steps=STEPS)
     calibration_steps = next(step for step, _, _, done in rows if done)
     stop = calibration_steps + 2
     monkeypatch.setattr(SingleDeviceStrategy, "restore_checkpoint_after_setup", property(lambda self: True))
