@@ -250,15 +250,35 @@ def test_no_capability_is_made_or_named_by_the_engine_or_the_out_of_memory_guard
     assert not named, named
 
 
+def test_the_out_of_memory_guard_is_a_feature_the_engine_never_names():
+    """Issue 38: the engine made the guard by name, kept the step's phase for it (its own hooks moved a phase tracker
+    the guard read) and called it by name at set-up, fit start, release and on an exception. The guard is a feature
+    (last of ``FEATURES``): it hears the step's phases through the feature hooks (``phase_starts``) like any other."""
+    from lightning_ckpt.lightning.engine import FEATURES
+    from lightning_ckpt.lightning.feature import Feature
+    from lightning_ckpt.lightning.recovery import StepGuard
+
+    assert issubclass(StepGuard, Feature) and FEATURES[-1] is StepGuard
+    tree = ast.parse((PACKAGE / "lightning" / "engine.py").read_text())
+    named = [f"engine.py:{node.lineno} self.{node.attr}" for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr in ("guard", "phase", "tracker")
+             and isinstance(node.value, ast.Name) and node.value.id == "self"]
+    named += [f"engine.py:{node.lineno} {node.id}" for node in ast.walk(tree)
+              if isinstance(node, ast.Name) and node.id in ("PhaseTracker", "register_replay_hook")]
+    assert not named, named
+
+
 def test_each_feature_is_made_when_it_says_for_a_run_that_wants_it():
     from lightning_ckpt.lightning.compiling import CompiledBlocks
     from lightning_ckpt.lightning.engine import FEATURES, CheckpointingEngine
+    from lightning_ckpt.lightning.recovery import StepGuard
     from lightning_ckpt.lightning.settings import Settings
     from lightning_ckpt.lightning.verifying import Verification
 
-    assert [kind.made_at for kind in FEATURES] == ["engine", "engine", "fit", "plan"]
+    assert [kind.made_at for kind in FEATURES] == ["engine", "engine", "fit", "plan", "engine"]
     plain = CheckpointingEngine(Settings(policy="every:2"))
-    assert [type(f) for f in plain.features] == [CompiledBlocks]
+    assert [type(f) for f in plain.features] == [CompiledBlocks, StepGuard]
     checked = CheckpointingEngine(Settings(policy="every:2", verify=True, auto_threshold="1GiB"))
-    assert [type(f) for f in checked.features] == [Verification, CompiledBlocks]  # the auto-toggle: with the plan
+    assert [type(f) for f in checked.features] == [Verification, CompiledBlocks, StepGuard]  # the auto-toggle: with
+    # the plan
     assert checked.feature(Verification) is checked.features[0] and checked.feature(FEATURES[3]) is None

@@ -207,7 +207,7 @@ class ActivationCheckpointing(Options, Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._engine.release(trainer)
-        self._engine.guard.annotate(exception)
+        self._engine.annotate(exception)
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._engine.fit_end(trainer)

@@ -14,10 +14,10 @@ Each capability is a feature (:class:`~lightning_ckpt.lightning.feature.Feature`
 engine makes each one the run wants when the feature says (with the engine, when the plan is applied, or at fit
 start), then calls all it has at every hook, in that list's order: ``verify``
 (:mod:`~lightning_ckpt.lightning.verifying`), the blocks compiled one by one
-(:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run (:mod:`~lightning_ckpt.lightning.budgeting`)
-and the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`). The
-measurement of each step (:mod:`~lightning_ckpt.lightning.measuring`) hands the measured steps to them; the
-out-of-memory guard (:mod:`~lightning_ckpt.lightning.recovery`) and the end-of-fit report
+(:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run (:mod:`~lightning_ckpt.lightning.budgeting`),
+the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`) and, last, the out-of-memory guard
+(:mod:`~lightning_ckpt.lightning.recovery`). The measurement of each step (:mod:`~lightning_ckpt.lightning.measuring`)
+drives the step: it hands the measured steps to them; it and the end-of-fit report
 (:mod:`~lightning_ckpt.lightning.reporting`) are objects of their own. All of them reach the run through one
 :class:`~lightning_ckpt.lightning.port.PlanPort`, never the engine.
 """
@@ -29,9 +29,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Type, Typ
 
 from lightning_ckpt.core.offload import release_host_memory
 from lightning_ckpt.core.policy import Policy, parse_policy
-from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.core.wrap import CheckpointPlan, apply_policy, get_plan
-from lightning_ckpt.decide.diagnosis import PhaseTracker
 from lightning_ckpt.decide.escalation import host_room, offload_refusal
 from lightning_ckpt.decide.safety import preflight
 from lightning_ckpt.lightning import conflicts, shims
@@ -56,7 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["FEATURES", "REPORT_FILE", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
 
-FEATURES = (Verification, CompiledBlocks, BudgetFeature, AutoToggle)
+FEATURES = (Verification, CompiledBlocks, BudgetFeature, AutoToggle, StepGuard)
 """The run's capabilities, in the order they hear each hook; each is made when it says (``Feature.made_at``), for a
 run that wants it (``Feature.wanted``)."""
 
@@ -80,14 +78,11 @@ class CheckpointingEngine:
         self.on_accelerator = False
         self._skipped: list = []
         self.ranks = HostGroup()  # runs that agree between steps: a gloo group, so agreeing never waits for the device
-        self.phase = PhaseTracker()
-        self.port = PlanPort(self)  # what the features, the guard, the measurement and the report reach of the run
-        self.guard = StepGuard(self.port, self.phase)  # out-of-memory errors, with snapshot_on_oom's record
+        self.port = PlanPort(self)  # what the features, the measurement and the report reach of the run
         self.record = RunReport(self.port)  # what the end-of-fit report reads of the measured steps
         self.measurement = StepMeasurement(self.port, self.record)  # which steps are measured, their figures
         self.capacity: Optional[int] = settings.capacity_bytes
         self.saved = SavedRun(self.port)  # what a checkpoint keeps of the run, and its restoring
-        self._handles: list = []  # forward pre-hook, replay hook
         self.features: List[Feature] = []  # the capabilities of this run, in the order of FEATURES
         self._make("engine")
 
@@ -145,7 +140,6 @@ class CheckpointingEngine:
     def setup(self, trainer: "pl.Trainer", stage: str) -> None:
         """Every run: refuse conflicts; when fitting, arrange for the plan to be applied before strategy setup."""
         self.saved.run_starts()
-        self.guard.attach(trainer)  # every stage: an evaluation loop's out-of-memory error is named by its stage
         found = conflicts.owners(trainer)
         if len(found) > 1:
             raise RuntimeError(conflicts.two_owners_message(found))
@@ -154,7 +148,8 @@ class CheckpointingEngine:
             if self.settings.changes_plan:
                 conflicts.refuse_static_graph(trainer.strategy, self.settings.changes_plan)
             shims.run_before_strategy_setup(trainer.strategy, self.apply)
-            shims.install_optimizer_step_guard(trainer.strategy, self.guard.guarded_step)
+        for feature in self.features:
+            feature.setup(trainer, stage)
 
     def apply(self, trainer: "pl.Trainer") -> CheckpointPlan:
         """Checkpoint the LightningModule's blocks under the starting policy, then re-apply any restored state.
@@ -189,17 +184,10 @@ class CheckpointingEngine:
         s = self.settings
         self._read_capacity_again(trainer.strategy.root_device)
         self.measurement.start(trainer, pl_module, self.capacity)
-        self._release_handles()
-        self._handles.append(register_replay_hook(self.guard.note_replay))
-        if self.plan.blocks:
-            self._handles.append(self.plan.blocks[0].register_forward_pre_hook(lambda *_: self.phase.forward_start()))
         for feature in self._make("fit", trainer, pl_module):  # each fit's own, or going on from a checkpoint's state
             self.saved.made(feature)
-        if s.snapshot_on_oom:
-            self.guard.record(trainer)
         for feature in self.features:
             feature.fit_start(trainer, pl_module)
-        self.guard.configure(trainer)
         if s.measure:
             self.measurement.prepare_loggers(trainer)
 
@@ -255,16 +243,18 @@ class CheckpointingEngine:
                     batch_idx: int) -> None:
         for feature in self.features:
             feature.before_batch(pl_module, batch, batch_idx)
-        self.phase.batch_start()
         self.measurement.begin(trainer, pl_module, batch, self.features)
 
     def before_backward(self) -> None:
-        self.phase.backward_start()
-        self.measurement.phase("backward")
+        self._phase_starts("backward")
 
     def before_optimizer_step(self) -> None:
-        self.phase.optimizer_step_start()
-        self.measurement.phase("optimizer")
+        self._phase_starts("optimizer")
+
+    def _phase_starts(self, name: str) -> None:
+        for feature in self.features:
+            feature.phase_starts(name)
+        self.measurement.phase(name)
 
     def batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """After each micro-batch; after the last of an optimizer step: measure, reduce, log and decide."""
@@ -272,7 +262,6 @@ class CheckpointingEngine:
             feature.after_micro_batch(trainer, pl_module)
         if trainer.fit_loop._should_accumulate() or not self.measurement.in_step:
             return
-        self.phase.optimizer_step_end()
         self.measurement.end(trainer, pl_module, self.features)
 
     def pause(self) -> None:
@@ -298,20 +287,18 @@ class CheckpointingEngine:
     def release(self, trainer: "pl.Trainer") -> None:
         """Remove every hook and shim this engine installed (teardown, or a run that raised)."""
         shims.remove_before_strategy_setup(trainer.strategy)
-        shims.remove_optimizer_step_guard(trainer.strategy)
-        self._release_handles()
         if self.plan is not None:  # pinned host memory of offloaded blocks goes back when the run ends
             release_host_memory(self.plan)
         for feature in self.features:  # a run that ends while calibrating leaves no hook behind
             feature.close()
         self.ranks.close()
-        self.guard.close()
         self.measurement.close()
 
-    def _release_handles(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def annotate(self, exception: BaseException) -> None:
+        """The run raised ``exception`` (released already): each feature adds what it knows (the out-of-memory
+        diagnosis)."""
+        for feature in self.features:
+            feature.annotate(exception)
 
     # ------------------------------------------------------------------------------------------ persistence
     def state_dict(self) -> Dict[str, Any]:

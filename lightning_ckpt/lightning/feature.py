@@ -2,16 +2,17 @@
 
 The engine (:mod:`lightning_ckpt.lightning.engine`) owns the plan and the lifecycle; the measurement of each step
 (:mod:`lightning_ckpt.lightning.measuring`) hands every measured step to the features. Each capability (``verify``,
-the blocks compiled one by one, a ``budget:`` policy's run, the auto-toggle) is one feature. The engine makes each
-feature (with the engine, when the plan is applied, or at fit start) and from then on calls every feature it has at
-the same hooks, in one order, never asking which one it is; a feature reaches the run only through its
+the blocks compiled one by one, a ``budget:`` policy's run, the auto-toggle, the out-of-memory guard) is one
+feature. The engine makes each feature (with the engine, when the plan is applied, or at fit start) and from then on
+calls every feature it has at the same hooks, in one order, never asking which one it is; a feature reaches the run only through its
 :class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no hook of the engine
 grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
 
 A feature says itself when it is made (:attr:`Feature.made_at`) and whether a run wants it (:meth:`Feature.wanted`);
 the engine's list of feature classes (``FEATURES`` in :mod:`~lightning_ckpt.lightning.engine`) gives the order they
-hear each hook in. The out-of-memory guard (:mod:`~lightning_ckpt.lightning.recovery`) asks every feature whether its
-steps are retried (:meth:`Feature.retries_out_of_memory`) and tells each of a retry (:meth:`Feature.escalated`).
+hear each hook in. The out-of-memory guard (:mod:`~lightning_ckpt.lightning.recovery`), a feature itself, asks every
+feature whether its steps are retried (:meth:`Feature.retries_out_of_memory`) and tells each of a retry
+(:meth:`Feature.escalated`).
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class Feature:
         fit start)."""
         return cls(port)  # type: ignore[call-arg]
 
+    def setup(self, trainer: "pl.Trainer", stage: str) -> None:
+        """A Trainer stage starts (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``), its conflicts checked, before
+        the strategy is set up."""
+
     def plan_applied(self, trainer: "pl.Trainer") -> None:
         """The plan was just applied to the model: by the strategy's set-up, before it wraps the model (at fit start
         where that set-up was bypassed)."""
@@ -115,6 +120,9 @@ class Feature:
 
     def before_micro_batch(self, trainer: "pl.Trainer", batch: Any, first: bool) -> None:
         """Before a micro-batch's forward (``first``: the first of an optimizer step): the plan it runs."""
+
+    def phase_starts(self, name: str) -> None:
+        """A phase of the micro-batch in flight starts: ``"backward"``, or ``"optimizer"`` (its optimizer step)."""
 
     def after_micro_batch(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """A training batch ended (every micro-batch, whether or not it ends an optimizer step)."""
@@ -157,6 +165,9 @@ class Feature:
         """A step ran out of memory under the policy ``failed`` and is retried under ``now`` (its attempt's tensors
         not yet released); what the retry's message adds, in parentheses (``""``: nothing)."""
         return ""
+
+    def annotate(self, exception: BaseException) -> None:
+        """The run raised ``exception``: add what this feature knows of it (``exception.add_note``)."""
 
     def close(self) -> None:
         """The run ends (normally or not): remove every hook it installed."""

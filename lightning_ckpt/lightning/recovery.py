@@ -48,10 +48,10 @@ A ``budget:`` policy's calibration retries its own out-of-memory steps whatever 
 calibration chose that plan, not the user. The stage is recorded as not fitting and the step is retried one rung up
 without being recorded as any stage (:meth:`lightning_ckpt.decide.calibration.BudgetCalibration.out_of_memory`).
 
-The guard reaches the run through its :class:`~lightning_ckpt.lightning.port.PlanPort` (the plan and the one way to
-change it, the last step's figures, a restart of the step's measurement) and hears of the features an out-of-memory
-error concerns (the budget's calibration, the auto-toggle's controller and its per-shape gate) at fit start
-(:meth:`StepGuard.configure`): it never holds the engine.
+The guard is a feature (:class:`~lightning_ckpt.lightning.feature.Feature`), the last the engine calls. It reaches
+the run through its :class:`~lightning_ckpt.lightning.port.PlanPort` (the plan and the one way to change it, the last
+step's figures, a restart of the step's measurement, the other features, which it asks whether they retry their own
+steps and tells of a retry): it never holds the engine.
 
 Several processes (DDP, FSDP): a retry on one rank would meet its peers inside a collective of another step, so
 the rank stops with the diagnosis and publishes it in the process group's store; its peers stop when their
@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils.checkpoint import CheckpointError
 
+from lightning_ckpt.core.replay import register_replay_hook
 from lightning_ckpt.decide.diagnosis import (
     EVALUATION_PHASES,
     OutOfMemoryDiagnosis,
@@ -81,6 +82,8 @@ from lightning_ckpt.decide.diagnosis import (
 from lightning_ckpt.decide.escalation import stronger, stronger_rungs
 from lightning_ckpt.forecast.measured import measured_remedies, oom_sentence, run_facts, state_to_come
 from lightning_ckpt.forecast.remedies import RunFacts
+from lightning_ckpt.lightning import shims
+from lightning_ckpt.lightning.feature import Feature
 from lightning_ckpt.lightning.snapshot import DEFAULT_MAX_ENTRIES, OOMSnapshot
 from lightning_ckpt.measure.ledger import Ledger, model_state_bytes
 
@@ -197,24 +200,29 @@ class GradientJournal:
         self.added.clear()
 
 
-class StepGuard:
+class StepGuard(Feature):
     """Out-of-memory handling, the allocator's record of it and replay-error naming for one run (see the module
-    docstring).
+    docstring): a :class:`~lightning_ckpt.lightning.feature.Feature` every run has, the last of the engine's list, so
+    that at fit start it hears which of the other features retry their own steps.
+
+    It keeps the phase of the step in flight (:class:`~lightning_ckpt.decide.diagnosis.PhaseTracker`) from the
+    feature hooks, a forward pre-hook on the first block and the optimizer step it routes through
+    :meth:`guarded_step`.
 
     Args:
         port: what the guard reaches of the run (:class:`~lightning_ckpt.lightning.port.PlanPort`).
-        tracker: the phase of the step in flight, kept by the run's hooks.
     """
 
-    def __init__(self, port: "PlanPort", tracker: PhaseTracker) -> None:
+    def __init__(self, port: "PlanPort") -> None:
         self.port = port
-        self.tracker = tracker
+        self.tracker = PhaseTracker()
         self.snapshot: Optional[OOMSnapshot] = None  # snapshot_on_oom: the allocator's record
         self.replaying: Optional[str] = None  # the region replayed last: named when its replay misbehaves
         self.world_size = 1
         self.trainer: Any = None
         self.store: Any = None
         self._stepped: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers that stepped in this process
+        self._handles: list = []  # the replay hook, the first block's forward pre-hook (each fit's own)
 
     def __getstate__(self) -> dict:
         # ddp_spawn pickles the callback: the weak set cannot be, and its optimizers are this process's anyway
@@ -223,15 +231,37 @@ class StepGuard:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _stepped=weakref.WeakSet())
 
-    def attach(self, trainer: Any) -> None:
-        """The Trainer of the run (every stage): its stage names an evaluation loop's errors."""
+    # ------------------------------------------------------------------------------------------ the feature's hooks
+    def setup(self, trainer: Any, stage: str) -> None:
+        """Every stage: the Trainer's stage names an evaluation loop's errors. Fitting: the optimizer step is
+        routed through :meth:`guarded_step`."""
         self.trainer = trainer
+        if stage == "fit":
+            shims.install_optimizer_step_guard(trainer.strategy, self.guarded_step)
 
-    def configure(self, trainer: Any) -> None:
-        """At fit start: read what the retry depends on from the Trainer. The accumulation is read at every step
-        instead: ``GradientAccumulationScheduler`` sets it later, per epoch."""
+    def fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Follow the step's phases and replays; with ``snapshot_on_oom``, record the allocator's history; read what
+        the retry depends on from the Trainer. (The accumulation is read at every step instead:
+        ``GradientAccumulationScheduler`` sets it later, per epoch.)"""
+        self._release_handles()
+        self._handles.append(register_replay_hook(self.note_replay))
+        blocks = self.port.plan.blocks if self.port.plan is not None else ()
+        if blocks:
+            self._handles.append(blocks[0].register_forward_pre_hook(lambda *_: self.tracker.forward_start()))
+        if self.port.settings.snapshot_on_oom:
+            self.record(trainer)
         self.trainer = trainer
         self.world_size = trainer.world_size
+
+    def before_batch(self, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.tracker.batch_start()
+
+    def phase_starts(self, name: str) -> None:
+        (self.tracker.backward_start if name == "backward" else self.tracker.optimizer_step_start)()
+
+    def after_micro_batch(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.fit_loop._should_accumulate():
+            self.tracker.optimizer_step_end()
 
     def record(self, trainer: Any) -> None:
         """``snapshot_on_oom``: record the allocator's history from now on (CUDA; a warning elsewhere), each fit."""
@@ -249,9 +279,18 @@ class StepGuard:
             rank_zero_warn(why_not)
 
     def close(self) -> None:
-        """The run ends: recording stops (its snapshot stays named; the next fit records again)."""
+        """The run ends: the step is no longer routed here, the hooks come off, recording stops (its snapshot stays
+        named; the next fit records again)."""
+        if self.trainer is not None:
+            shims.remove_optimizer_step_guard(self.trainer.strategy)
+        self._release_handles()
         if self.snapshot is not None:
             self.snapshot.stop()
+
+    def _release_handles(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     @property
     def accumulating(self) -> bool:

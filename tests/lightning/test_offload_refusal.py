@@ -11,6 +11,7 @@ from lightning_ckpt.core.offload import Transfers, configure_offload
 from lightning_ckpt.core.units import KiB
 from lightning_ckpt.demos.gpt import GPT, GPTConfig
 from lightning_ckpt.lightning.engine import CheckpointingEngine
+from lightning_ckpt.lightning.recovery import StepGuard
 from lightning_ckpt.lightning.settings import Settings
 
 
@@ -35,7 +36,7 @@ def test_escalation_to_offload_is_refused_with_both_figures():
     moved = sum(state.per_block.values())
     assert 2 * moved > 1024 * KiB
     with pytest.warns(RuntimeWarning, match=r"offload refused; keep a recompute plan") as caught:
-        assert engine.guard._escalate(RuntimeError("CUDA out of memory (injected)")) is False
+        assert engine.feature(StepGuard)._escalate(RuntimeError("CUDA out of memory (injected)")) is False
     text = str(caught[0].message)
     assert "(516.0 KiB per rank × 2 ranks)" in text and "the host has 1.0 MiB available" in text
     assert engine.plan.spec == "all"  # unchanged
@@ -44,5 +45,5 @@ def test_escalation_to_offload_is_refused_with_both_figures():
 def test_escalation_to_offload_goes_ahead_when_the_node_can_hold_it():
     engine, _ = _engine(available=64 * 1024 * KiB)
     engine.info = lambda message: None  # no Trainer for rank_zero_info here
-    assert engine.guard._escalate(RuntimeError("CUDA out of memory (injected)")) is True
+    assert engine.feature(StepGuard)._escalate(RuntimeError("CUDA out of memory (injected)")) is True
     assert engine.plan.spec == "offload"

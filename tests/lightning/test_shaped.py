@@ -181,7 +181,7 @@ def test_the_prediction_for_lengths_never_run_holds_on_a_hugging_face_llama(tmp_
 def test_a_shape_no_plan_fits_is_named_before_its_step_and_the_plan_says_which_bucket_it_runs(tmp_path):
     """max_shape says 64 tokens at most; a 256-token batch arrives anyway: before it runs, a warning names the
     smallest budget that fits it and the shape, and it runs under the plan with the lowest predicted peak."""
-    batches = [_batch(32, seed=i) for i in range(16)] + [_batch(256)]
+    batches = [_batch(32, seed=i) for i in range(24)] + [_batch(256)]
     with pytest.warns(UserWarning, match=r"raise the budget to at least .* MiB, or shorten batches of shape 4 x 256 "
                                          r"\(micro-batch x length\): no plan meets 'budget:3MiB' there"):
         cb, rows = _fit(tmp_path, _gpt(), batches, "budget:3MiB", callback=dict(max_shape="4x64"))

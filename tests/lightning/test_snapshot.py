@@ -12,6 +12,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 import lightning_ckpt.lightning.snapshot as snapshot
 from lightning_ckpt import ActivationCheckpointing
+from lightning_ckpt.lightning.recovery import StepGuard
 
 
 class FakeHistory:
@@ -175,7 +176,7 @@ def test_a_retried_step_forgets_its_snapshot(tmp_path, fake_cuda):
     trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=3), callbacks=[cb])
     trainer.fit(OOMAtStep(at=1, once=True))
     assert trainer.global_step == 3 and list(tmp_path.rglob("oom_snapshot_rank0.pickle"))
-    record = cb._engine.guard.snapshot
+    record = cb._engine.feature(StepGuard).snapshot
     assert record.path is None and record.describe(torch.OutOfMemoryError("x")) is None
 
 
@@ -199,7 +200,7 @@ def test_an_allocator_that_cannot_record_warns_and_the_run_goes_on(tmp_path, fak
     with pytest.warns(UserWarning, match="remove backend:cudaMallocAsync from PYTORCH_CUDA_ALLOC_CONF to get an "
                                          "out-of-memory snapshot"):
         trainer.fit(TinyTransformer())
-    assert trainer.global_step == 2 and not fake_cuda.observers and cb._engine.guard.snapshot is None
+    assert trainer.global_step == 2 and not fake_cuda.observers and cb._engine.feature(StepGuard).snapshot is None
 
 
 @pytest.mark.gpu
