@@ -53,9 +53,9 @@ class BudgetCalibration:
        a **bytes** step (the first step of a plan is an exact reference step: ``off`` blocks give their saved
        bytes, blocks in the mode the bytes they keep and, in backward, what their replay creates) and two **time**
        steps (:data:`TIME_KINDS`; default mode, no per-operator tracking that would skew times): the forward of
-       every block, and the replay of the blocks in the mode. A mode's time is its forward's extra time over ``off`` plus its replay
-       (offload: the extra forward time twice, out and back). Memory stays between the ``every:2`` level and the
-       un-checkpointed one, never above it.
+       every block, and the replay of the blocks in the mode. A mode's time is its forward's extra time over
+       ``off`` plus its replay (offload: the extra forward time twice, out and back). Memory stays between the
+       ``every:2`` level and the un-checkpointed one, never above it.
        When the blocks run compiled (``block_caller`` given), hooks cannot time a compiled forward or replay and
        eager times are the wrong prices: there are no time steps; instead, after the bytes steps, one block of each
        class is timed on its own in every mode, as training runs it (:mod:`lightning_ckpt.decide.block_timing`).

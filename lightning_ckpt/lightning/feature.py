@@ -4,9 +4,9 @@ The engine (:mod:`lightning_ckpt.lightning.engine`) owns the plan and the lifecy
 (:mod:`lightning_ckpt.lightning.measuring`) hands every measured step to the features. Each capability (``verify``,
 the blocks compiled one by one, a ``budget:`` policy's run, the auto-toggle, the out-of-memory guard) is one
 feature. The engine makes each feature (with the engine, when the plan is applied, or at fit start) and from then on
-calls every feature it has at the same hooks, in one order, never asking which one it is; a feature reaches the run only through its
-:class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no hook of the engine
-grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
+calls every feature it has at the same hooks, in one order, never asking which one it is; a feature reaches the run
+only through its :class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no
+hook of the engine grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
 
 A feature says itself when it is made (:attr:`Feature.made_at`) and whether a run wants it (:meth:`Feature.wanted`);
 the engine's list of feature classes (``FEATURES`` in :mod:`~lightning_ckpt.lightning.engine`) gives the order they
