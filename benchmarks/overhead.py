@@ -191,7 +191,7 @@ class AlternateAndTime(Callback):
 
     def _record_previous(self) -> None:
         if self.marks:  # the previous step is complete: did the callback measure it? (its last measured step moved)
-            step = self.cb._engine.record.last_step
+            step = self.cb._engine.run_report.last_step
             self.measured.append(step is not None and step != self._seen)
             self._seen = step
 

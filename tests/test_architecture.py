@@ -250,18 +250,23 @@ def test_no_capability_is_made_or_named_by_the_engine_or_the_out_of_memory_guard
     assert not named, named
 
 
-def test_the_out_of_memory_guard_is_a_feature_the_engine_never_names():
+def test_the_out_of_memory_guard_and_the_report_are_features_the_engine_never_names():
     """Issue 38: the engine made the guard by name, kept the step's phase for it (its own hooks moved a phase tracker
-    the guard read) and called it by name at set-up, fit start, release and on an exception. The guard is a feature
-    (last of ``FEATURES``): it hears the step's phases through the feature hooks (``phase_starts``) like any other."""
+    the guard read) and called it by name at set-up, fit start, release and on an exception; the measurement handed
+    each measured step to the report by name, and the engine printed it. The guard is a feature (last of
+    ``FEATURES``): it hears the step's phases through the feature hooks (``phase_starts``) like any other; the report
+    is one too (first: it hears of a measured step before the features that decide on it)."""
     from lightning_ckpt.lightning.engine import FEATURES
     from lightning_ckpt.lightning.feature import Feature
     from lightning_ckpt.lightning.recovery import StepGuard
+    from lightning_ckpt.lightning.reporting import RunReport
 
     assert issubclass(StepGuard, Feature) and FEATURES[-1] is StepGuard
+    assert issubclass(RunReport, Feature) and FEATURES[0] is RunReport
     tree = ast.parse((PACKAGE / "lightning" / "engine.py").read_text())
-    named = [f"engine.py:{node.lineno} self.{node.attr}" for node in ast.walk(tree)
-             if isinstance(node, ast.Attribute) and node.attr in ("guard", "phase", "tracker")
+    measuring = ast.parse((PACKAGE / "lightning" / "measuring.py").read_text())
+    named = [f"engine.py:{node.lineno} self.{node.attr}" for node in [*ast.walk(tree), *ast.walk(measuring)]
+             if isinstance(node, ast.Attribute) and node.attr in ("guard", "phase", "tracker", "record")
              and isinstance(node.value, ast.Name) and node.value.id == "self"]
     named += [f"engine.py:{node.lineno} {node.id}" for node in ast.walk(tree)
               if isinstance(node, ast.Name) and node.id in ("PhaseTracker", "register_replay_hook")]
@@ -269,16 +274,18 @@ def test_the_out_of_memory_guard_is_a_feature_the_engine_never_names():
 
 
 def test_each_feature_is_made_when_it_says_for_a_run_that_wants_it():
+    from lightning_ckpt.lightning.autotoggle import AutoToggle
     from lightning_ckpt.lightning.compiling import CompiledBlocks
     from lightning_ckpt.lightning.engine import FEATURES, CheckpointingEngine
     from lightning_ckpt.lightning.recovery import StepGuard
+    from lightning_ckpt.lightning.reporting import RunReport
     from lightning_ckpt.lightning.settings import Settings
     from lightning_ckpt.lightning.verifying import Verification
 
-    assert [kind.made_at for kind in FEATURES] == ["engine", "engine", "fit", "plan", "engine"]
+    assert [kind.made_at for kind in FEATURES] == ["engine", "engine", "engine", "fit", "plan", "engine"]
     plain = CheckpointingEngine(Settings(policy="every:2"))
-    assert [type(f) for f in plain.features] == [CompiledBlocks, StepGuard]
+    assert [type(f) for f in plain.features] == [RunReport, CompiledBlocks, StepGuard]
     checked = CheckpointingEngine(Settings(policy="every:2", verify=True, auto_threshold="1GiB"))
-    assert [type(f) for f in checked.features] == [Verification, CompiledBlocks, StepGuard]  # the auto-toggle: with
-    # the plan
-    assert checked.feature(Verification) is checked.features[0] and checked.feature(FEATURES[3]) is None
+    # the auto-toggle is made with the plan
+    assert [type(f) for f in checked.features] == [RunReport, Verification, CompiledBlocks, StepGuard]
+    assert checked.feature(Verification) is checked.features[1] and checked.feature(AutoToggle) is None

@@ -12,14 +12,14 @@ Every change of plan (auto-toggle, budget, escalation, resume) goes through :met
 
 Each capability is a feature (:class:`~lightning_ckpt.lightning.feature.Feature`), listed in :data:`FEATURES`. The
 engine makes each one the run wants when the feature says (with the engine, when the plan is applied, or at fit
-start), then calls all it has at every hook, in that list's order: ``verify``
-(:mod:`~lightning_ckpt.lightning.verifying`), the blocks compiled one by one
-(:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run (:mod:`~lightning_ckpt.lightning.budgeting`),
-the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`) and, last, the out-of-memory guard
-(:mod:`~lightning_ckpt.lightning.recovery`). The measurement of each step (:mod:`~lightning_ckpt.lightning.measuring`)
-drives the step: it hands the measured steps to them; it and the end-of-fit report
-(:mod:`~lightning_ckpt.lightning.reporting`) are objects of their own. All of them reach the run through one
-:class:`~lightning_ckpt.lightning.port.PlanPort`, never the engine.
+start), then calls all it has at every hook, in that list's order: the end-of-fit report
+(:mod:`~lightning_ckpt.lightning.reporting`), ``verify`` (:mod:`~lightning_ckpt.lightning.verifying`), the blocks
+compiled one by one (:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run
+(:mod:`~lightning_ckpt.lightning.budgeting`), the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`) and,
+last, the out-of-memory guard (:mod:`~lightning_ckpt.lightning.recovery`). The measurement of each step
+(:mod:`~lightning_ckpt.lightning.measuring`) drives the step, asks the features what they need of it and hands them
+the measured steps: it is the engine's own collaborator, not a capability (a run without it has no steps to speak
+of). All of them reach the run through one :class:`~lightning_ckpt.lightning.port.PlanPort`, never the engine.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["FEATURES", "REPORT_FILE", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
 
-FEATURES = (Verification, CompiledBlocks, BudgetFeature, AutoToggle, StepGuard)
+FEATURES = (RunReport, Verification, CompiledBlocks, BudgetFeature, AutoToggle, StepGuard)
 """The run's capabilities, in the order they hear each hook; each is made when it says (``Feature.made_at``), for a
 run that wants it (``Feature.wanted``)."""
 
@@ -79,8 +79,7 @@ class CheckpointingEngine:
         self._skipped: list = []
         self.ranks = HostGroup()  # runs that agree between steps: a gloo group, so agreeing never waits for the device
         self.port = PlanPort(self)  # what the features, the measurement and the report reach of the run
-        self.record = RunReport(self.port)  # what the end-of-fit report reads of the measured steps
-        self.measurement = StepMeasurement(self.port, self.record)  # which steps are measured, their figures
+        self.measurement = StepMeasurement(self.port)  # which steps are measured, their figures
         self.capacity: Optional[int] = settings.capacity_bytes
         self.saved = SavedRun(self.port)  # what a checkpoint keeps of the run, and its restoring
         self.features: List[Feature] = []  # the capabilities of this run, in the order of FEATURES
@@ -104,12 +103,17 @@ class CheckpointingEngine:
     @property
     def last_result(self) -> Optional[StepResult]:
         """The last measured step's result this fit (the report's), or ``None``."""
-        return self.record.last_result
+        return self.run_report.last_result
 
     @property
     def last_attribution(self) -> Optional[Dict[str, Any]]:
         """The last reference step's peaks with their tensors named, or ``None``."""
-        return self.record.last_attribution
+        return self.run_report.last_attribution
+
+    @property
+    def run_report(self) -> RunReport:
+        """The end-of-fit report (a feature every run has)."""
+        return self.feature(RunReport)
 
     def feature(self, kind: Type[F]) -> Optional[F]:
         """This run's feature of class ``kind`` (e.g. ``BudgetFeature``), or ``None`` (for the callback's read-only
@@ -275,14 +279,10 @@ class CheckpointingEngine:
     def fit_end(self, trainer: "pl.Trainer") -> None:
         for feature in self.features:
             feature.fit_end(trainer)
-        if self.settings.report and self.record.measured:
-            text = self.report(trainer)  # every rank: trainer.log_dir is a collective under DDP
-            if trainer.is_global_zero:
-                print(text)
 
     def report(self, trainer: Optional["pl.Trainer"] = None) -> str:
         """The ledger report of the last measured step; with ``trainer`` rank zero also writes it as JSON."""
-        return self.record.text(trainer, self.features)
+        return self.run_report.text(trainer)
 
     def release(self, trainer: "pl.Trainer") -> None:
         """Remove every hook and shim this engine installed (teardown, or a run that raised)."""

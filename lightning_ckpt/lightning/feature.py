@@ -1,12 +1,12 @@
 """What every capability of the run implements: :class:`Feature`, and what it hears at a step's end, :class:`StepEnd`.
 
 The engine (:mod:`lightning_ckpt.lightning.engine`) owns the plan and the lifecycle; the measurement of each step
-(:mod:`lightning_ckpt.lightning.measuring`) hands every measured step to the features. Each capability (``verify``,
-the blocks compiled one by one, a ``budget:`` policy's run, the auto-toggle, the out-of-memory guard) is one
-feature. The engine makes each feature (with the engine, when the plan is applied, or at fit start) and from then on
-calls every feature it has at the same hooks, in one order, never asking which one it is; a feature reaches the run
-only through its :class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no
-hook of the engine grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
+(:mod:`lightning_ckpt.lightning.measuring`) hands every measured step to the features. Each capability (``verify``, the
+blocks compiled one by one, a ``budget:`` policy's run, the auto-toggle, the out-of-memory guard, the end-of-fit report)
+is one feature. The engine makes each feature (with the engine, when the plan is applied, or at fit start) and from then
+on calls every feature it has at the same hooks, in one order, never asking which one it is; a feature reaches the run
+only through its :class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no hook
+of the engine grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
 
 A feature says itself when it is made (:attr:`Feature.made_at`) and whether a run wants it (:meth:`Feature.wanted`);
 the engine's list of feature classes (``FEATURES`` in :mod:`~lightning_ckpt.lightning.engine`) gives the order they
@@ -59,6 +59,8 @@ class StepEnd:
             own keys here.
         key: a metric's full key from its name (the callback's ``prefix`` put in front).
         deciding: whether this is a decision step of the auto-toggle (``decide_every_n_steps``).
+        shape: the step's batch shape (:class:`~lightning_ckpt.decide.shapes.Shape`), read once when it began.
+        logging: whether Lightning logs at this step.
     """
 
     trainer: "pl.Trainer"
@@ -66,6 +68,8 @@ class StepEnd:
     metrics: Dict[str, float]
     key: Callable[[str], str]
     deciding: bool
+    shape: Any = None
+    logging: bool = False
 
 
 class Feature:

@@ -6,8 +6,8 @@ step monitor (:mod:`lightning_ckpt.measure.monitor`) through the step's micro-ba
 figures across ranks (all of them on a logging step, the activation line alone on a decision step), hands the
 measured step to the features (:class:`~lightning_ckpt.lightning.feature.StepEnd`) and logs what they return. A
 logged step that ran the per-op instrumentation (3-4x slow) owes its time and throughput: the next ordinary step
-settles them. It reaches the run through its :class:`~lightning_ckpt.lightning.port.PlanPort`, and tells the
-end-of-fit report (:class:`~lightning_ckpt.lightning.reporting.RunReport`) of each measured step.
+settles them. It reaches the run through its :class:`~lightning_ckpt.lightning.port.PlanPort`; the end-of-fit report
+(:class:`~lightning_ckpt.lightning.reporting.RunReport`) is a feature, told of each measured step like the others.
 
 Logged keys (each under the callback's ``prefix``): the step's ledger and time (see
 :meth:`~lightning_ckpt.measure.monitor.StepResult.metrics`) and what the features add (see
@@ -28,7 +28,6 @@ from lightning_ckpt.lightning.compiled import cuda_graphs_in_use, warn_cuda_grap
 from lightning_ckpt.lightning.feature import Feature, StepEnd
 from lightning_ckpt.lightning.metrics import log_metrics, log_step, reduce_across_ranks, tensorboard_layout
 from lightning_ckpt.lightning.port import PlanPort
-from lightning_ckpt.lightning.reporting import RunReport
 from lightning_ckpt.measure.ledger import state_tensors
 from lightning_ckpt.measure.monitor import StepMonitor, StepResult
 from lightning_ckpt.measure.tokens import count_samples, sequence_length
@@ -46,11 +45,10 @@ class StepMeasurement:
 
     Args:
         port: what it reaches of the run.
-        record: the end-of-fit report, told of each measured step.
     """
 
-    def __init__(self, port: PlanPort, record: RunReport) -> None:
-        self.port, self.record = port, record
+    def __init__(self, port: PlanPort) -> None:
+        self.port = port
         self.monitor: Optional[StepMonitor] = None
         self.last_metrics: Dict[str, float] = {}
         self.batch_shape: Optional[tuple] = None  # (length, samples) of the open step's largest micro-batch
@@ -74,7 +72,6 @@ class StepMeasurement:
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", capacity: Optional[int]) -> None:
         """A fit starts: a new step monitor on the module (``capacity``: the device's, for the ledger's headroom)."""
         s = self.port.settings
-        self.record.start_fit()  # each fit reports its own steps
         self._owed = []
         device = trainer.strategy.root_device
         graphs = cuda_graphs_in_use(pl_module) if device.type == "cuda" else None  # the allocator's lines: see there
@@ -128,7 +125,7 @@ class StepMeasurement:
         self.settling = bool(self._owed)
         # block hooks measure the steps a feature needs eagerly (the calibration's): compiled code runs eagerly for
         # them; the fit's first step is measured for the report (a fit shorter than log_every_n_steps logs none)
-        first = s.measure and s.report and self.record.last_result is None
+        first = s.measure and s.report and self.port.last_ledger is None
         eager = any(need.eager for need in needs)
         measured = self.logging or self.deciding or any(need.measure for need in needs) or first
         self._step_shape = shape_of(batch, s.shape_fn) if measured else None
@@ -197,9 +194,8 @@ class StepMeasurement:
             return
         for feature in features:  # its own correction of the figures (a budget's compiled blocks)
             result = feature.read_step(result)
-        self.record.note(trainer, result, self._step_shape, self.logging)
         metrics = self._reduced(trainer, result)
-        step = StepEnd(trainer, result, metrics, self.key, self.deciding)
+        step = StepEnd(trainer, result, metrics, self.key, self.deciding, self._step_shape, self.logging)
         for feature in features:  # their figures join the step's; they decide for the next step
             feature.after_step(step)
         self.last_metrics = metrics

@@ -98,7 +98,7 @@ class PlanPort:
 
     def peak_anatomy(self) -> Optional[Dict[str, Any]]:
         """What the last reference step's activation peak held (the report's ``peak`` section); ``None`` before one."""
-        record, module = self._engine.record, self._engine.module
+        record, module = self._engine.run_report, self._engine.module
         if record.last_attribution is None:
             return None
         return record.peak_anatomy(module.trainer if module is not None else None)

@@ -5,7 +5,9 @@ last reference step's peaks with their tensors named, the activation bytes per s
 met — and at the end of ``fit`` writes ``lightning_ckpt_report.json`` and ``memory_timeline.png`` beside the logs
 (rank zero) and returns the printed text: the ledger with its remedies priced from the measured step
 (:mod:`lightning_ckpt.decide.report`), the sections of the features that decided on the plan, and the peak's
-anatomy (:mod:`lightning_ckpt.decide.anatomy`). It reaches the run through its
+anatomy (:mod:`lightning_ckpt.decide.anatomy`). It is a :class:`~lightning_ckpt.lightning.feature.Feature`, the
+first of the engine's list: it hears of each measured step (``after_step``) before the features that decide on it,
+and prints the report at the end of ``fit`` (``report=True``). It reaches the run through its
 :class:`~lightning_ckpt.lightning.port.PlanPort`.
 """
 
@@ -13,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from lightning_ckpt.decide.anatomy import anatomy_text, model_anatomy
 from lightning_ckpt.decide.budget import mode_mix
 from lightning_ckpt.decide.report import ledger_report, length_reading, report_text
 from lightning_ckpt.forecast.precision import parse_precision
-from lightning_ckpt.lightning.feature import Feature
+from lightning_ckpt.lightning.feature import Feature, StepEnd
 from lightning_ckpt.lightning.metrics import log_step
 from lightning_ckpt.lightning.port import PlanPort
 from lightning_ckpt.lightning.recovery import measured_remedies_of
@@ -36,7 +38,7 @@ REPORT_FILE = "lightning_ckpt_report.json"
 TIMELINE_FILE = "memory_timeline.png"
 
 
-class RunReport:
+class RunReport(Feature):
     """What the report reads of the fit's measured steps, and the report itself (see the module docstring).
 
     Args:
@@ -52,9 +54,19 @@ class RunReport:
         # (one plan's lengths only: with per-shape plans a longer batch runs a stronger plan)
         self.by_length: Dict[tuple, Dict[int, float]] = {}
 
-    def start_fit(self) -> None:
+    def fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Each fit reports its own steps."""
         self.last_result = self.last_step = self.last_attribution = None
+
+    def after_step(self, step: StepEnd) -> None:
+        self.note(step.trainer, step.result, step.shape, step.logging)
+
+    def fit_end(self, trainer: "pl.Trainer") -> None:
+        """``report=True``: print the report (every rank makes it: ``trainer.log_dir`` is a collective under DDP)."""
+        if self.port.settings.report and self.measured:
+            text = self.text(trainer)
+            if trainer.is_global_zero:
+                print(text)
 
     @property
     def measured(self) -> bool:
@@ -74,7 +86,7 @@ class RunReport:
             lengths = self.by_length.setdefault(modes, {})
             lengths[length] = max(lengths.get(length, 0.0), result.ledger.activations / samples)
 
-    def text(self, trainer: Optional["pl.Trainer"], features: Sequence[Feature]) -> str:
+    def text(self, trainer: Optional["pl.Trainer"]) -> str:
         """The ledger report of the last measured step; with ``trainer`` rank zero also writes it as JSON and draws
         the timeline."""
         if not self.measured:
@@ -86,6 +98,7 @@ class RunReport:
                              history={"activations_vs_seq_len": reading} if reading else None,
                              all_checkpointed=bool(plan and plan.num_checkpointed == plan.num_blocks),
                              remedies=measured_remedies_of(port))
+        features = port.features
         for feature in features:
             data.update(feature.report_section())
         if self.last_step is not None:  # the step the report reads: Lightning's (TensorBoard's) step of it

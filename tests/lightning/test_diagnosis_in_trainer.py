@@ -263,7 +263,7 @@ def test_report_reads_quadratic_growth_from_steps_of_different_lengths(tmp_path)
     trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=6, log_every_n_steps=1, limit_val_batches=0,
                                        num_sanity_val_steps=0), callbacks=[cb])
     trainer.fit(VariableLength())
-    assert sorted(cb._engine.record.by_length[("off", "off")]) == [64, 128, 256]  # per plan: one plan here
+    assert sorted(cb._engine.run_report.by_length[("off", "off")]) == [64, 128, 256]  # per plan: one plan here
     assert "square of sequence length" in cb.report(trainer)
 
 
