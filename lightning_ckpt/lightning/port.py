@@ -98,10 +98,10 @@ class PlanPort:
 
     def peak_anatomy(self) -> Optional[Dict[str, Any]]:
         """What the last reference step's activation peak held (the report's ``peak`` section); ``None`` before one."""
-        record, module = self._engine.run_report, self._engine.module
-        if record.last_attribution is None:
+        report, module = self._engine.run_report, self._engine.module
+        if report.last_attribution is None:
             return None
-        return record.peak_anatomy(module.trainer if module is not None else None)
+        return report.peak_anatomy(module.trainer if module is not None else None)
 
     def restart_step(self) -> None:
         """Measure the open step again from now, under the plan it now runs (a retry after an out-of-memory error)."""

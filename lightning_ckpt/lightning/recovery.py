@@ -202,8 +202,8 @@ class GradientJournal:
 
 class StepGuard(Feature):
     """Out-of-memory handling, the allocator's record of it and replay-error naming for one run (see the module
-    docstring): a :class:`~lightning_ckpt.lightning.feature.Feature` every run has, the last of the engine's list, so
-    that at fit start it hears which of the other features retry their own steps.
+    docstring): a :class:`~lightning_ckpt.lightning.feature.Feature` every run has, the last of the engine's list. It
+    asks the other features of a retry when one comes (``port.features``), not before.
 
     It keeps the phase of the step in flight (:class:`~lightning_ckpt.decide.diagnosis.PhaseTracker`) from the
     feature hooks, a forward pre-hook on the first block and the optimizer step it routes through
