@@ -195,7 +195,7 @@ def test_no_function_of_the_lightning_layer_is_longer_than_60_lines():
 
 
 @pytest.mark.parametrize("module", ["gate", "shaped", "recovery", "budgeting", "autotoggle", "reporting", "measuring",
-                                    "compiling", "verifying", "persistence"])
+                                    "curves", "compiling", "verifying", "persistence"])
 def test_the_per_shape_features_reach_the_run_through_the_port_only(module):
     """Issue 38: ``ShapeGate`` and ``ShapeSteps`` held the engine (``engine: Any``) and read its attributes (the
     calibration, the controller, the last result, ...). They hold a ``PlanPort`` now: the plan, the one way to change
@@ -276,16 +276,38 @@ def test_the_out_of_memory_guard_and_the_report_are_features_the_engine_never_na
 def test_each_feature_is_made_when_it_says_for_a_run_that_wants_it():
     from lightning_ckpt.lightning.autotoggle import AutoToggle
     from lightning_ckpt.lightning.compiling import CompiledBlocks
+    from lightning_ckpt.lightning.curves import LoggedCurves
     from lightning_ckpt.lightning.engine import FEATURES, CheckpointingEngine
     from lightning_ckpt.lightning.recovery import StepGuard
     from lightning_ckpt.lightning.reporting import RunReport
     from lightning_ckpt.lightning.settings import Settings
     from lightning_ckpt.lightning.verifying import Verification
 
-    assert [kind.made_at for kind in FEATURES] == ["engine", "engine", "engine", "fit", "plan", "engine"]
+    assert [kind.made_at for kind in FEATURES] == ["engine", "engine", "engine", "engine", "fit", "plan", "engine"]
     plain = CheckpointingEngine(Settings(policy="every:2"))
-    assert [type(f) for f in plain.features] == [RunReport, CompiledBlocks, StepGuard]
-    checked = CheckpointingEngine(Settings(policy="every:2", verify=True, auto_threshold="1GiB"))
-    # the auto-toggle is made with the plan
+    assert [type(f) for f in plain.features] == [RunReport, LoggedCurves, CompiledBlocks, StepGuard]
+    checked = CheckpointingEngine(Settings(policy="every:2", verify=True, auto_threshold="1GiB", measure=False))
+    # the auto-toggle is made with the plan; measure=False logs no curves
     assert [type(f) for f in checked.features] == [RunReport, Verification, CompiledBlocks, StepGuard]
     assert checked.feature(Verification) is checked.features[1] and checked.feature(AutoToggle) is None
+
+
+def test_the_logged_curves_are_a_feature_and_the_step_reading_logs_nothing():
+    """Issue 38: the step's measurement also warned of a missing logger, gave TensorBoard its layout, logged every
+    logging step, settled the owed time of instrumented steps and asked for the fit's first step for the report, each
+    in its own code. The logged curves are a feature (``LoggedCurves``, in ``FEATURES`` for runs with
+    ``measure=True``), the report asks for its step like any feature (``step_needs``), and the step's reading
+    (``measuring.py``) only reads, agrees across ranks and hands the step to the features."""
+    from lightning_ckpt.lightning.curves import LoggedCurves
+    from lightning_ckpt.lightning.engine import FEATURES
+    from lightning_ckpt.lightning.feature import Feature
+    from lightning_ckpt.lightning.reporting import RunReport
+
+    assert issubclass(LoggedCurves, Feature) and LoggedCurves in FEATURES
+    assert "step_needs" in vars(RunReport)
+    tree = ast.parse((PACKAGE / "lightning" / "measuring.py").read_text())
+    named = sorted({node.id for node in ast.walk(tree) if isinstance(node, ast.Name)} & {
+        "log_metrics", "log_step", "tensorboard_layout", "rank_zero_warn", "TensorBoardLogger"})
+    named += sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)} & {
+        "_owed", "owed", "last_ledger", "prepare_loggers", "should_update_logs"})
+    assert not named, named

@@ -11,15 +11,16 @@ are one code path: the same metrics, the same checks, the same report.
 Every change of plan (auto-toggle, budget, escalation, resume) goes through :meth:`CheckpointingEngine.change_plan`.
 
 Each capability is a feature (:class:`~lightning_ckpt.lightning.feature.Feature`), listed in :data:`FEATURES`. The
-engine makes each one the run wants when the feature says (with the engine, when the plan is applied, or at fit
-start), then calls all it has at every hook, in that list's order: the end-of-fit report
-(:mod:`~lightning_ckpt.lightning.reporting`), ``verify`` (:mod:`~lightning_ckpt.lightning.verifying`), the blocks
-compiled one by one (:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run
-(:mod:`~lightning_ckpt.lightning.budgeting`), the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`) and,
-last, the out-of-memory guard (:mod:`~lightning_ckpt.lightning.recovery`). The measurement of each step
-(:mod:`~lightning_ckpt.lightning.measuring`) drives the step, asks the features what they need of it and hands them
-the measured steps: it is the engine's own collaborator, not a capability (a run without it has no steps to speak
-of). All of them reach the run through one :class:`~lightning_ckpt.lightning.port.PlanPort`, never the engine.
+engine makes each one the run wants when the feature says (with the engine, when the plan is applied, or at fit start),
+then calls all it has at every hook, in that list's order: the end-of-fit report
+(:mod:`~lightning_ckpt.lightning.reporting`), the logged curves (:mod:`~lightning_ckpt.lightning.curves`), ``verify``
+(:mod:`~lightning_ckpt.lightning.verifying`), the blocks compiled one by one
+(:mod:`~lightning_ckpt.lightning.compiling`), a ``budget:`` policy's run (:mod:`~lightning_ckpt.lightning.budgeting`),
+the auto-toggle (:mod:`~lightning_ckpt.lightning.autotoggle`) and, last, the out-of-memory guard
+(:mod:`~lightning_ckpt.lightning.recovery`). The step is the engine's own: its reading
+(:mod:`~lightning_ckpt.lightning.measuring`) asks the features what they need of each step, drives the step monitor and
+hands them the measured steps; what becomes of the figures is theirs. All of them reach the run through one
+:class:`~lightning_ckpt.lightning.port.PlanPort`, never the engine.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from lightning_ckpt.lightning import conflicts, shims
 from lightning_ckpt.lightning.autotoggle import AutoToggle
 from lightning_ckpt.lightning.budgeting import WHOLE_MODEL_COMPILE_BUDGET, BudgetFeature
 from lightning_ckpt.lightning.compiling import CompiledBlocks
+from lightning_ckpt.lightning.curves import LoggedCurves
 from lightning_ckpt.lightning.feature import Feature
 from lightning_ckpt.lightning.measuring import StepMeasurement
 from lightning_ckpt.lightning.persistence import SavedRun
@@ -54,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["FEATURES", "REPORT_FILE", "TIMELINE_FILE", "WHOLE_MODEL_COMPILE_BUDGET", "CheckpointingEngine"]
 
-FEATURES = (RunReport, Verification, CompiledBlocks, BudgetFeature, AutoToggle, StepGuard)
+FEATURES = (RunReport, LoggedCurves, Verification, CompiledBlocks, BudgetFeature, AutoToggle, StepGuard)
 """The run's capabilities, in the order they hear each hook; each is made when it says (``Feature.made_at``), for a
 run that wants it (``Feature.wanted``)."""
 
@@ -185,15 +187,12 @@ class CheckpointingEngine:
         """Start measuring: the step monitor, the replay hooks, the budget calibration, the TensorBoard layout."""
         if self.plan is None:  # the strategy's setup was bypassed: apply now
             self.apply(trainer)
-        s = self.settings
         self._read_capacity_again(trainer.strategy.root_device)
         self.measurement.start(trainer, pl_module, self.capacity)
         for feature in self._make("fit", trainer, pl_module):  # each fit's own, or going on from a checkpoint's state
             self.saved.made(feature)
         for feature in self.features:
             feature.fit_start(trainer, pl_module)
-        if s.measure:
-            self.measurement.prepare_loggers(trainer)
 
     def _read_capacity_again(self, device: torch.device) -> None:
         """The capacity once the strategy is set up: DDP's first broadcast made NCCL's communicator buffers, which

@@ -1,12 +1,13 @@
 """What every capability of the run implements: :class:`Feature`, and what it hears at a step's end, :class:`StepEnd`.
 
-The engine (:mod:`lightning_ckpt.lightning.engine`) owns the plan and the lifecycle; the measurement of each step
-(:mod:`lightning_ckpt.lightning.measuring`) hands every measured step to the features. Each capability (``verify``, the
-blocks compiled one by one, a ``budget:`` policy's run, the auto-toggle, the out-of-memory guard, the end-of-fit report)
-is one feature. The engine makes each feature (with the engine, when the plan is applied, or at fit start) and from then
-on calls every feature it has at the same hooks, in one order, never asking which one it is; a feature reaches the run
-only through its :class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no hook
-of the engine grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
+The engine (:mod:`lightning_ckpt.lightning.engine`) owns the plan and the lifecycle; the reading of each step
+(:mod:`lightning_ckpt.lightning.measuring`) asks the features what they need of it and hands them every measured step.
+Each capability (the logged curves, the end-of-fit report, ``verify``, the blocks compiled one by one, a ``budget:``
+policy's run, the auto-toggle, the out-of-memory guard) is one feature. The engine makes each feature (with the engine,
+when the plan is applied, or at fit start) and from then on calls every feature it has at the same hooks, in one order,
+never asking which one it is; a feature reaches the run only through its
+:class:`~lightning_ckpt.lightning.port.PlanPort`; so a new capability is one new feature, and no hook of the engine
+grows a branch for it. Each hook here does nothing: a feature overrides the ones it needs.
 
 A feature says itself when it is made (:attr:`Feature.made_at`) and whether a run wants it (:meth:`Feature.wanted`);
 the engine's list of feature classes (``FEATURES`` in :mod:`~lightning_ckpt.lightning.engine`) gives the order they
@@ -18,7 +19,7 @@ feature whether its steps are retried (:meth:`Feature.retries_out_of_memory`) an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -38,11 +39,21 @@ class StepNeeds:
         measure: its memory is read (the step's ledger is built).
         decide: it is a decision step: its activation line is agreed across ranks before the feature decides.
         eager: compiled code runs eagerly, so the blocks' hooks see each block (a calibration's readings).
+        log: its figures are logged: all of them agreed across ranks (one collective), its time and tokens read.
+        timed: its time and tokens are read (a step that gives a logged step the time that step could not measure).
     """
 
     measure: bool = False
     decide: bool = False
     eager: bool = False
+    log: bool = False
+    timed: bool = False
+
+    @classmethod
+    def of(cls, needs: "Iterable[StepNeeds]") -> "StepNeeds":
+        """What the features need of the step together: each need any of them has."""
+        needs = list(needs)
+        return cls(**{name: any(getattr(need, name) for need in needs) for name in cls.__dataclass_fields__})
 
 
 NOTHING = StepNeeds()  # what a feature needs of a step it has no part in
@@ -61,6 +72,8 @@ class StepEnd:
         deciding: whether this is a decision step of the auto-toggle (``decide_every_n_steps``).
         shape: the step's batch shape (:class:`~lightning_ckpt.decide.shapes.Shape`), read once when it began.
         logging: whether Lightning logs at this step.
+        time_owed: a logged step whose time and throughput were left out (some rank ran the per-op instrumentation,
+            3-4x slow): the next ordinary step's stand for them.
     """
 
     trainer: "pl.Trainer"
@@ -70,6 +83,7 @@ class StepEnd:
     deciding: bool
     shape: Any = None
     logging: bool = False
+    time_owed: bool = False
 
 
 class Feature:
@@ -131,6 +145,9 @@ class Feature:
     def after_micro_batch(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """A training batch ended (every micro-batch, whether or not it ends an optimizer step)."""
 
+    def step_ended(self, trainer: "pl.Trainer", result: "StepResult") -> None:
+        """An optimizer step ended, measured or not: ``result`` as it was read, before any feature corrects it."""
+
     def read_step(self, result: "StepResult") -> "StepResult":
         """A measured step's figures as this feature corrects them, before anyone reads them."""
         return result
@@ -140,6 +157,9 @@ class Feature:
 
     def after_step(self, step: StepEnd) -> None:
         """A measured optimizer step ended: add its figures to ``step.metrics``, decide for the next one."""
+
+    def figures_ready(self, step: StepEnd) -> None:
+        """Every feature added its figures to ``step.metrics``: they are final (the logged curves write them)."""
 
     def fit_end(self, trainer: "pl.Trainer") -> None:
         """The fit ended normally."""

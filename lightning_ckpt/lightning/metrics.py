@@ -30,8 +30,16 @@ import torch
 
 from lightning_ckpt.measure.metric_keys import UnregisteredMetricKey, combines_by_sum, tensorboard_layout, unregistered
 
-__all__ = ["TENSORBOARD_LAYOUT", "block_metrics", "log_metrics", "log_step", "reduce_across_ranks",
-           "tensorboard_layout"]
+__all__ = ["INSTRUMENTED", "TENSORBOARD_LAYOUT", "block_metrics", "log_metrics", "log_step", "prefixed",
+           "reduce_across_ranks", "tensorboard_layout"]
+
+INSTRUMENTED = "_instrumented"
+"""Reduced with a step's figures: whether a rank's step ran the per-op instrumentation (its time is not the run's)."""
+
+
+def prefixed(prefix: str, name: str) -> str:
+    """A metric's full key: the callback's ``prefix`` in front of ``name`` (``lightning_ckpt/memory/peak_gib``)."""
+    return f"{prefix}/{name}" if prefix else name
 
 
 def block_metrics(plan: Any, prefix: str) -> Dict[str, float]:

@@ -21,7 +21,7 @@ from lightning_ckpt.decide.anatomy import anatomy_text, model_anatomy
 from lightning_ckpt.decide.budget import mode_mix
 from lightning_ckpt.decide.report import ledger_report, length_reading, report_text
 from lightning_ckpt.forecast.precision import parse_precision
-from lightning_ckpt.lightning.feature import Feature, StepEnd
+from lightning_ckpt.lightning.feature import Feature, StepEnd, StepNeeds
 from lightning_ckpt.lightning.metrics import log_step
 from lightning_ckpt.lightning.port import PlanPort
 from lightning_ckpt.lightning.recovery import measured_remedies_of
@@ -57,6 +57,11 @@ class RunReport(Feature):
     def fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Each fit reports its own steps."""
         self.last_result = self.last_step = self.last_attribution = None
+
+    def step_needs(self, trainer: "pl.Trainer") -> StepNeeds:
+        """The fit's first step is measured, so that a fit shorter than ``log_every_n_steps`` has a report."""
+        s = self.port.settings
+        return StepNeeds(measure=s.measure and s.report and not self.measured)
 
     def after_step(self, step: StepEnd) -> None:
         self.note(step.trainer, step.result, step.shape, step.logging)

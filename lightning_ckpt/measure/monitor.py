@@ -17,9 +17,9 @@ their ``step_s`` is ``None``.
 
 A step that ran the plugin's own per-operation instrumentation (an exact reference step, or one run eagerly for
 the budget's block hooks) is ``instrumented``: its time is the instrumentation's as much as the training's, so its
-throughput is not the run's. The caller then sets :attr:`StepMonitor.owed`: the next steps count and are timed
-until an ordinary one gives the figures (:class:`~lightning_ckpt.lightning.engine.CheckpointingEngine` logs them at
-the reference step's place).
+throughput is not the run's. The caller then times the next steps (``begin_step(tokens=True)``, or sets
+:attr:`StepMonitor.owed`) until an ordinary one gives the figures (the plugin's
+:class:`~lightning_ckpt.lightning.curves.LoggedCurves` logs them at the reference step's place).
 ``tokens_per_sec = tokens / step_s``; tokens are counted from the batch (``attention_mask`` non-padding when
 present, else the token ids' size) or by ``tokens_fn``. A step whose batches carry no token ids (images, waveforms:
 see :mod:`lightning_ckpt.measure.tokens`) has ``tokens=None`` and logs ``samples_per_sec`` only.
