@@ -76,7 +76,8 @@ class LoggedCurves(Feature):
 
     def step_needs(self, trainer: "pl.Trainer") -> StepNeeds:
         """A logging step is measured and logged; while a logged step's time is owed, every step is timed."""
-        logging = bool(trainer._logger_connector.should_update_logs)
+        # settings.measure read again: a run may swap its settings (benchmarks/overhead.py measures every other step)
+        logging = bool(self.port.settings.measure and trainer._logger_connector.should_update_logs)
         return StepNeeds(measure=logging, log=logging, timed=bool(self._owed))
 
     def step_ended(self, trainer: "pl.Trainer", result: "StepResult") -> None:
