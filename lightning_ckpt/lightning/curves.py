@@ -19,7 +19,7 @@ Logged keys (each under the callback's ``prefix``): the step's ledger and time (
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, List
 
 from lightning_ckpt.lightning.feature import Feature, StepEnd, StepNeeds
 from lightning_ckpt.lightning.metrics import (
@@ -51,7 +51,6 @@ class LoggedCurves(Feature):
     def __init__(self, port: PlanPort) -> None:
         self.port = port
         self._owed: List[int] = []  # Lightning's steps of logged steps whose time and throughput are owed
-        self._last: Optional[Dict[str, float]] = None  # the last measured step's figures (the engine's last_metrics)
         self._warned_no_logger = False
 
     @classmethod
@@ -95,13 +94,11 @@ class LoggedCurves(Feature):
             return
         for step in self._owed:
             log_metrics(trainer, figures, prefix, step=step)
-        if self._last is not None:
-            self._last.update(figures)
+        self.port.last_metrics.update(figures)  # the last measured step's figures, as the callback shows them
         self._owed = []
 
     def figures_ready(self, step: StepEnd) -> None:
         """A logging step's figures go to the loggers; a logged step that could not time itself is owed its time."""
-        self._last = step.metrics
         if not step.logging:
             return
         if step.time_owed:

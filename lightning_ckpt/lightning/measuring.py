@@ -36,7 +36,7 @@ __all__ = ["StepMeasurement"]
 
 
 class StepMeasurement:
-    """Which steps are measured, and what becomes of their figures (see the module docstring).
+    """Which steps are measured, their reading and its hand-over to the features (see the module docstring).
 
     Args:
         port: what it reaches of the run.
