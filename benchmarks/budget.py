@@ -17,12 +17,15 @@ configurations interleave (A/B/A/B, the order rotated every round).
    (ours / fixed).
 5. **Screening**: one untimed round, then ``--screen`` rounds of one step each for every configuration; per budget,
    the ``--candidates`` fitting anchors with the lowest median go on.
-6. **Verdict**: ``--rounds`` rounds in which, budget by budget, ours, the same plan fixed, those candidates and a
-   second Trainer of the first candidate (its *twin*: the same computation, whose ratio to it is the noise floor
-   printed beside the verdict) run one step each back to back (the order rotated every round), so that the steps
-   compared are seconds apart. The fastest fitting anchor is the candidate with the lowest median here; the ratio is
-   the median over rounds of ours / that anchor in the same round. Process CPU seconds are compared alike and
-   printed beside (less sensitive to other processes on a shared machine).
+6. **Verdict**: every configuration of it runs in ``--instances`` Trainers (default 3), because here the same
+   computation in two Trainers reads a few per cent apart, round after round (a Trainer's own bias, not noise
+   that more rounds average away); ours is calibrated in each of its Trainers. ``--rounds`` rounds in which, budget
+   by budget, ours, the same plan fixed, those candidates and as many more Trainers of the first candidate (its
+   *twin*: the same computation, whose ratio to it is the noise floor printed beside the verdict) run one step each
+   back to back (the order rotated every round), so that the steps compared are seconds apart. A configuration's
+   time in a round is the mean of its Trainers' steps. The fastest fitting anchor is the candidate with the lowest
+   median here; the ratio is the median over rounds of ours / that anchor in the same round. Process CPU seconds
+   are compared alike and printed beside (less sensitive to other processes on a shared machine).
 
 Verdict per budget: **PASS** when that median ratio is ≤ 1.00, else **MISS** with its number; beside a MISS, its
 95 % bootstrap interval over the rounds, and whether that interval still holds 1.00 (a MISS this run cannot tell
@@ -144,11 +147,37 @@ def measure_anchor(runner: T.Runner) -> int:
     return value
 
 
+def instance_name(name: str, i: int) -> str:
+    """The ``i``-th Trainer of a configuration: ``first:3``, ``first:3 #2``, …"""
+    return name if i == 0 else f"{name} #{i + 1}"
+
+
+def pooled(times: Dict[str, List[float]], members: Sequence[T.Runner]) -> List[float]:
+    """Per round, the mean step time of a configuration's Trainers: a Trainer's own bias (the same computation reads
+    a few per cent apart in two Trainers here, round after round) averages over them."""
+    return [statistics.mean(step) for step in zip(*(times[r.name] for r in members))]
+
+
+def calibrate(r: T.Runner, limit: int) -> Dict[str, Any]:
+    """Step ``r`` until its calibration is over (at most ``limit`` steps), then once more: its steps and seconds."""
+    t0 = time.perf_counter()
+    while r.calibrating and len(r.times) < limit:
+        r.run(1)
+    done = dict(steps=len(r.times), step_seconds=sum(r.times), wall=time.perf_counter() - t0, over=r.calibrating)
+    r.run(1)  # the first step after the calibration: its plan, to be run fixed beside it
+    return done
+
+
+def worst_report(reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Of the end-of-fit reports' ``budget`` figures of a budget's Trainers, the one with the worst step."""
+    return max(reports, key=lambda rep: rep.get("worst_step_ratio") or 0.0)
+
+
 def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[str], None] = print
              ) -> Dict[str, Any]:
     module = build(model_name, args.layers, args.width, args.seq)
     batch = module.example_batch(args.micro_batch, args.seq)
-    blocks = len(T.block_names(module))
+    blocks, k = len(T.block_names(module)), args.instances
 
     def get(i: int):
         return batch
@@ -157,7 +186,7 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
         return T.Runner(name, module, get, dict(policy=policy), precision=precision)
 
     log(f"\n{model_name}: {blocks} blocks x {args.width}, micro-batch {args.micro_batch} x {args.seq}, {precision}; "
-        f"load average {load_average()}")
+        f"{k} Trainer(s) per configuration in the verdict; load average {load_average()}")
     anchors = {p: runner(p, p) for p in anchor_policies(blocks)}
     act = {p: measure_anchor(r) for p, r in anchors.items()}
     low, high = act["all"], act["none"]
@@ -166,79 +195,91 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
     for p in [p for p in anchors if p != "none" and act[p] > loosest]:  # fits no budget: not timed
         anchors.pop(p).finish()
 
-    ours: Dict[float, T.Runner] = {}
-    calibration: Dict[float, Dict[str, Any]] = {}
+    ours: Dict[float, List[T.Runner]] = {}
+    calibration: Dict[float, List[Dict[str, Any]]] = {}
     for pos, budget in budgets.items():
-        r = runner(f"budget {pos:.0%}", f"budget:{budget}")
-        t0 = time.perf_counter()
-        while r.calibrating and len(r.times) < args.max_calibration:
-            r.run(1)
-        calibration[pos] = dict(steps=len(r.times), step_seconds=sum(r.times), wall=time.perf_counter() - t0,
-                                over=r.calibrating)
-        r.run(1)  # the first step after the calibration: its plan, to be run fixed beside it
-        ours[pos] = r
-        log(f"  budget {pos:.0%} = {budget / MiB:.2f} MiB: calibrated in {len(r.times) - 1} steps "
-            f"({calibration[pos]['step_seconds']:.1f} s); plan {mix(r.modes[-1])}")
-    fixed = {pos: runner(f"fixed {pos:.0%}", "modes:" + ",".join(r.modes[-1])) for pos, r in ours.items()}
-    for r in fixed.values():
+        ours[pos] = [runner(instance_name(f"budget {pos:.0%}", i), f"budget:{budget}") for i in range(k)]
+        calibration[pos] = [calibrate(r, args.max_calibration) for r in ours[pos]]
+        log(f"  budget {pos:.0%} = {budget / MiB:.2f} MiB: calibrated in "
+            f"{', '.join(str(c['steps']) for c in calibration[pos])} steps "
+            f"({', '.join(format(c['step_seconds'], '.1f') for c in calibration[pos])} s); plan "
+            + " / ".join(mix(r.modes[-1]) for r in ours[pos]))
+    fixed = {pos: [runner(instance_name(f"fixed {pos:.0%}", i), "modes:" + ",".join(r.modes[-1]))
+                   for i, r in enumerate(rs)] for pos, rs in ours.items()}
+    for r in (r for rs in fixed.values() for r in rs):
         r.run(1)  # the first step is measured: the plan's own activation figure
-    fixed_act = {pos: T.measured_activations(r) for pos, r in fixed.items()}
+    fixed_act = {pos: max(T.measured_activations(r) or 0 for r in rs) or None for pos, rs in fixed.items()}
 
-    everyone = [*anchors.values(), *ours.values(), *fixed.values()]
+    everyone = [*anchors.values(), *(r for rs in ours.values() for r in rs), *(r for rs in fixed.values() for r in rs)]
     start = {r.name: len(r.times) for r in everyone}
     # screening: every configuration, one step a round; the candidates per budget are its fastest fitting anchors
     screen, _ = T.interleave(everyone, args.screen, warmup=1)
     candidates = {pos: sorted((p for p in anchors if act[p] <= budget), key=lambda p: statistics.median(screen[p]))
                   [:args.candidates] for pos, budget in budgets.items()}
-    # the noise floor: the likeliest fastest candidate run a second time, in a Trainer of its own
-    twins = {pos: runner(f"{c[0]} twin {pos:.0%}", c[0]) for pos, c in candidates.items() if c}
-    for r in twins.values():
+    # each candidate in k Trainers; the noise floor: the likeliest fastest candidate in k Trainers more
+    timed = {p: [anchors[p], *(runner(instance_name(p, i), p) for i in range(1, k))]
+             for p in dict.fromkeys(p for c in candidates.values() for p in c)}
+    twins = {pos: [runner(instance_name(f"{c[0]} twin {pos:.0%}", i), c[0]) for i in range(k)]
+             for pos, c in candidates.items() if c}
+    for r in [*(r for rs in timed.values() for r in rs[1:]), *(r for rs in twins.values() for r in rs)]:
         r.run(2)
     # the verdict: per budget, ours, the same plan fixed, those candidates and the twin, back to back in every round
-    groups = {pos: [ours[pos], fixed[pos], *(anchors[p] for p in candidates[pos]), *([twins[pos]] if pos in twins
-                                                                                    else [])] for pos in budgets}
-    wall, cpu = T.interleave_groups(groups, args.rounds)
-    timed_modes = {pos: sorted(set(r.modes[start[r.name] + 1:])) for pos, r in ours.items()}
-    for r in [*anchors.values(), *fixed.values(), *twins.values()]:
+    configs = {pos: {"ours": ours[pos], "fixed": fixed[pos], **{p: timed[p] for p in candidates[pos]},
+                     **({"twin": twins[pos]} if pos in twins else {})} for pos in budgets}
+    groups = {pos: [r for rs in c.values() for r in rs] for pos, c in configs.items()}
+    wall_each, cpu_each = T.interleave_groups(groups, args.rounds)
+    wall = {pos: {name: pooled(wall_each[pos], rs) for name, rs in c.items()} for pos, c in configs.items()}
+    cpu = {pos: {name: pooled(cpu_each[pos], rs) for name, rs in c.items()} for pos, c in configs.items()}
+    timed_modes = {pos: sorted({m for r in rs for m in r.modes[start[r.name] + 1:]}) for pos, rs in ours.items()}
+    for r in [*anchors.values(), *(r for rs in [*timed.values(), *fixed.values(), *twins.values()] for r in rs)]:
         r.finish()
-    figures, chosen = {}, {}
-    for pos, r in ours.items():
-        r.finish()
-        report = r.report_json()
-        figures[pos], chosen[pos] = report.get("budget") or {}, report.get("budget_plan") or {}
+    reports, chosen = {}, {}
+    for pos, rs in ours.items():
+        for r in rs:
+            r.finish()
+        jsons = [r.report_json() for r in rs]
+        reports[pos], chosen[pos] = [j.get("budget") or {} for j in jsons], jsons[0].get("budget_plan") or {}
 
     rows = []
     for pos, budget in budgets.items():
-        name, w, c = ours[pos].name, wall[pos], cpu[pos]
+        w, c = wall[pos], cpu[pos]
         fitting = [p for p in anchors if act[p] <= budget]
         fastest = min(candidates[pos], key=lambda p: statistics.median(w[p])) if candidates[pos] else None
-        row = dict(position=pos, budget=budget, modes=list(ours[pos].modes[-1]),
-                   modes_timed=[list(m) for m in timed_modes[pos]], ours_s=statistics.median(w[name]),
-                   ours_mean_s=statistics.mean(w[name]), fixed_activations=fixed_act[pos],
-                   calibration=calibration[pos], report=figures[pos], fastest=fastest, fitting=fitting,
-                   candidates=candidates[pos], times={n: v for n, v in w.items()}, budget_plan=chosen[pos],
+        plans = [list(r.modes[-1]) for r in ours[pos]]
+        row = dict(position=pos, budget=budget, instances=k, modes=plans[0], instance_modes=plans,
+                   modes_timed=[list(m) for m in timed_modes[pos]], ours_s=statistics.median(w["ours"]),
+                   ours_mean_s=statistics.mean(w["ours"]), fixed_activations=fixed_act[pos],
+                   calibration=calibration[pos][0], calibrations=calibration[pos], report=worst_report(reports[pos]),
+                   reports=reports[pos], fastest=fastest, fitting=fitting, candidates=candidates[pos],
+                   times=wall_each[pos], pooled_times=w, budget_plan=chosen[pos],
                    calibrated_s=calibrated_seconds(chosen[pos]))
-        row["vs_fixed"] = T.paired(w[name], w[fixed[pos].name])
-        row["vs_fixed_cpu"] = T.paired(c[name], c[fixed[pos].name])
-        if pos in twins:  # the same policy in two Trainers: how far apart the same computation reads here
-            row["twin"] = [candidates[pos][0], *T.paired(w[twins[pos].name], w[candidates[pos][0]])]
-        row["added_ms"] = statistics.median(a - b for a, b in zip(c[name], c[fixed[pos].name])) * 1e3
+        row["vs_fixed"] = T.paired(w["ours"], w["fixed"])
+        row["vs_fixed_cpu"] = T.paired(c["ours"], c["fixed"])
+        if "twin" in w:  # the same policy in other Trainers: how far apart the same computation reads here
+            row["twin"] = [candidates[pos][0], *T.paired(w["twin"], w[candidates[pos][0]])]
+        row["added_ms"] = statistics.median(a - b for a, b in zip(c["ours"], c["fixed"])) * 1e3
         if fastest is not None:
             row.update(fastest_s=statistics.median(w[fastest]), fastest_mean_s=statistics.mean(w[fastest]),
-                       ratio=T.paired(w[name], w[fastest]), cpu_ratio=T.paired(c[name], c[fastest]),
-                       fixed_vs_fastest=T.paired(w[fixed[pos].name], w[fastest]),
-                       ratio_of_means=statistics.mean(w[name]) / statistics.mean(w[fastest]))
+                       ratio=T.paired(w["ours"], w[fastest]), cpu_ratio=T.paired(c["ours"], c[fastest]),
+                       fixed_vs_fastest=T.paired(w["fixed"], w[fastest]),
+                       ratio_of_means=statistics.mean(w["ours"]) / statistics.mean(w[fastest]),
+                       instance_ratios=[T.paired(wall_each[pos][r.name], w[fastest])[0] for r in ours[pos]])
             row["verdict"] = verdict(row["ratio"][0])
-            row["ratio_interval"] = T.median_interval(w[name], w[fastest])
-            row["same_plan"] = list(ours[pos].modes[-1]) == list(anchors[fastest].modes[-1])
+            row["ratio_interval"] = T.median_interval(w["ours"], w[fastest])
+            row["same_plan"] = all(p == list(anchors[fastest].modes[-1]) for p in plans)
         else:
             row["verdict"] = "no anchor fits"
         rows.append(row)
     return dict(model=model_name, precision=precision, blocks=blocks, width=args.width, seq=args.seq,
-                micro_batch=args.micro_batch, rounds=args.rounds, activations=act, rows=rows,
+                micro_batch=args.micro_batch, rounds=args.rounds, instances=k, activations=act, rows=rows,
                 anchors={p: dict(activations=act[p], median_s=statistics.median(screen[p]),
                                  range_s=[min(screen[p]), max(screen[p])], modes=list(r.modes[-1]))
                          for p, r in anchors.items()})
+
+
+def trainers(res: Dict[str, Any]) -> str:
+    k = res["instances"]
+    return "one Trainer per configuration" if k == 1 else f"each configuration in {k} Trainers (their mean per round)"
 
 
 def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: Callable[[str], str] = str) -> None:
@@ -246,7 +287,7 @@ def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: C
     act = res["activations"]
     log(f"\n{res['model']} {res['blocks']} x {res['width']}, micro-batch {res['micro_batch']} x {res['seq']}, "
         f"{res['precision']}: activations all {act['all'] / MiB:.2f} MiB, none {act['none'] / MiB:.2f} MiB "
-        f"(the callback's per-step figure); {res['rounds']} verdict rounds, medians")
+        f"(the callback's per-step figure); {res['rounds']} verdict rounds, {trainers(res)}, medians")
     width = max([12] + [len(label(r["fastest"])) for r in res["rows"] if r["fastest"] is not None])
     log(f"{'budget':>15}  {'our plan after calibration':<32}{'ours ms':>8}  {'fastest fitting anchor':<{width}}"
         f"{'ms':>7}  {'ratio (rounds)':<22}{'cpu':>6}  {'verdict':<11}{'worst step / budget':>22}"
@@ -280,19 +321,26 @@ def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: C
             parts.append(f"that fixed plan / {r['fastest']} {_ratio_text(r['fixed_vs_fastest'][0])}")
         if r.get("twin"):
             policy, mid, lo, hi = r["twin"]
-            parts.append(f"noise floor: {policy} / {policy} in a second Trainer {mid:.3f} ({lo:.2f}-{hi:.2f})")
+            others = "a second Trainer" if r["instances"] == 1 else f"{r['instances']} other Trainers"
+            parts.append(f"noise floor: {policy} in {others} / {policy} {mid:.3f} ({lo:.2f}-{hi:.2f})")
             parts.append(f"ratio of means {_ratio_text(r['ratio_of_means'])}")
         fixed = r["fixed_activations"]
         if fixed is not None:
             parts.append(f"the plan's activations {fixed / MiB:.2f} MiB")
+        if r.get("instance_ratios") and len(r["instance_ratios"]) > 1:
+            parts.append("each of our Trainers / " + r["fastest"] + " " + ", ".join(
+                f"{v:.3f}" for v in r["instance_ratios"]))
+        if len({tuple(m) for m in r["instance_modes"]}) > 1:
+            parts.append("our Trainers' plans " + " / ".join(mix(m) for m in r["instance_modes"]))
         if len(r["modes_timed"]) > 1:
             parts.append("plan changed during the timed rounds: " + " / ".join(mix(m) for m in r["modes_timed"]))
         if r.get("calibrated_s"):
             parts.append("calibration priced a block's " + ", ".join(
                 f"{m} +{v * 1e3:.1f} ms" for m, v in sorted(r["calibrated_s"].items())))
-        cal = r["calibration"]
-        parts.append(f"calibration {cal['steps']} steps in {cal['step_seconds']:.1f} s"
-                     + (" (NOT finished)" if cal["over"] else ""))
+        cals = r["calibrations"]
+        parts.append(f"calibration {', '.join(str(c['steps']) for c in cals)} steps in "
+                     f"{', '.join(format(c['step_seconds'], '.1f') for c in cals)} s"
+                     + (" (NOT finished)" if any(c["over"] for c in cals) else ""))
         log(f"  {r['position']:>4.0%}: " + "; ".join(parts))
     measured = anchor_seconds(res)
     if measured:
@@ -324,6 +372,8 @@ def add_size_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds of the verdict (default 9; --quick 2)")
     p.add_argument("--screen", type=int, default=None, help="screening rounds, every configuration (default 3; "
                                                              "--quick 1)")
+    p.add_argument("--instances", type=int, default=None, help="Trainers per configuration in the verdict, their "
+                                                                "mean step per round compared (default 3; --quick 1)")
     p.add_argument("--candidates", type=int, default=3, help="fastest fitting anchors per budget (by the screening) "
                                                              "timed beside ours for the verdict (default 3)")
     p.add_argument("--max-calibration", type=int, default=80, help="give up waiting for the calibration after this "
@@ -332,11 +382,13 @@ def add_size_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_sizes(args: argparse.Namespace) -> None:
-    small = dict(layers=4, width=128, seq=128, micro_batch=2, rounds=2, screen=1)
-    full = dict(layers=6, width=256, seq=256, micro_batch=4, rounds=9, screen=3)
+    small = dict(layers=4, width=128, seq=128, micro_batch=2, rounds=2, screen=1, instances=1)
+    full = dict(layers=6, width=256, seq=256, micro_batch=4, rounds=9, screen=3, instances=3)
     for key, value in (small if args.quick else full).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.instances < 1:
+        raise SystemExit(f"--instances {args.instances}: give 1 or more Trainers per configuration, e.g. --instances 3")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -94,7 +94,7 @@ def test_budget_quick_prints_a_verdict_per_budget_with_its_number(tmp_path):
     out = tmp_path / "budget.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "budget.py"), "--quick", "--models", "llama", "--positions", "0.5",
-         "--json", str(out)],
+         "--instances", "2", "--json", str(out)],
         cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=190,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -104,6 +104,15 @@ def test_budget_quick_prints_a_verdict_per_budget_with_its_number(tmp_path):
     ratio = f"{row['ratio'][0]:.3f}"
     assert f"{'PASS' if row['ratio'][0] <= 1.0 else 'MISS'} " in row["verdict"] and ratio[:4] in row["verdict"]
     assert row["verdict"] in proc.stdout and "summary: " in proc.stdout
+    # every configuration of the verdict ran in two Trainers, ours calibrated in each; a round's time is their mean
+    assert case["instances"] == row["instances"] == 2 and len(row["calibrations"]) == len(row["reports"]) == 2
+    assert len(row["instance_modes"]) == len(row["instance_ratios"]) == 2
+    for name in ("ours", "fixed", row["fastest"], "twin"):
+        assert len(row["pooled_times"][name]) == case["rounds"], name
+    ours = [row["times"][n] for n in ("budget 50%", "budget 50% #2")]
+    assert row["pooled_times"]["ours"] == pytest.approx([(a + b) / 2 for a, b in zip(*ours)])
+    assert all(rep["worst_step_ratio"] <= 1.0 for rep in row["reports"])
+    assert "each configuration in 2 Trainers" in proc.stdout
 
 
 @pytest.mark.slow
