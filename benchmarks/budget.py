@@ -4,7 +4,7 @@ that fits, at 25, 50 and 75 % of the way from ``all`` to ``none``.
 Everything goes through the public API, in one process: every configuration is a ``lightning.Trainer`` fitting its
 own copy of the model (same weights, same batch) with ``ActivationCheckpointing(policy=...)`` and the callback's
 defaults, stepped one step at a time from the main thread (``benchmarks/_trainer.py``), so the steps of all
-configurations interleave (A/B/A/B, the order rotated every round).
+configurations interleave (A/B/A/B, the order changed every round).
 
 1. **Anchors**: the fixed policies ``none``, ``all``, ``selective``, ``every:N`` (N = 2 … L/2) and ``first:K``
    (K = 1 … L-1). Each runs two steps with every step measured; its activation bytes are the callback's own figure
@@ -18,16 +18,17 @@ configurations interleave (A/B/A/B, the order rotated every round).
 5. **Screening**: one untimed round, then ``--screen`` rounds of one step each for every configuration; per budget,
    the ``--candidates`` fitting anchors with the lowest median go on.
 6. **Verdict**: every configuration of it runs in ``--instances`` Trainers (default 3), because here the same
-   computation in two Trainers reads a few per cent apart, round after round (a Trainer's own bias, not noise
-   that more rounds average away); ours is calibrated in each of its Trainers. ``--rounds`` rounds in which, budget
-   by budget, ours, the same plan fixed, those candidates and as many more Trainers of the first candidate (its
-   *twin*: the same computation, whose ratio to it is the noise floor printed beside the verdict) run one step each
-   back to back (the order rotated every round), so that the steps compared are seconds apart. A configuration's
-   time in a round is the mean of its Trainers' steps. The fastest fitting anchor is the candidate with the lowest
-   median here; the ratio is the median over rounds of ours / that anchor in the same round. Process CPU seconds
-   are compared alike and printed beside (less sensitive to other processes on a shared machine).
+   computation in two Trainers reads a few per cent apart, round after round (a Trainer's own bias, not noise that
+   more rounds average away); ours is calibrated in each of its Trainers. ``--rounds`` rounds in which, budget by
+   budget, ours, the same plan fixed, those candidates and as many more Trainers of the first candidate (its *twin*:
+   the same computation, whose ratio to it is the noise floor printed beside the verdict) run one step each back to
+   back (in an order shuffled every round, seeded), so that the steps compared are seconds apart. A configuration's
+   step is the mean over its Trainers of each one's median; the fastest fitting anchor is the candidate with the
+   lowest. The ratio: for every pair of one of our Trainers and one of that anchor's, the median over rounds of ours
+   / theirs in the same round; their geometric mean (``_trainer.instances_ratio``). Process CPU seconds are compared
+   alike and printed beside (less sensitive to other processes on a shared machine).
 
-Verdict per budget: **PASS** when that median ratio is ≤ 1.00, else **MISS** with its number; beside a MISS, its
+Verdict per budget: **PASS** when that ratio is ≤ 1.00, else **MISS** with its number; beside a MISS, its
 95 % bootstrap interval over the rounds, and whether that interval still holds 1.00 (a MISS this run cannot tell
 from a tie: still counted a MISS). Printed beside it:
 the worst step's activations against the budget (calibration included; the end-of-fit report's ``budget`` figures),
@@ -152,10 +153,21 @@ def instance_name(name: str, i: int) -> str:
     return name if i == 0 else f"{name} #{i + 1}"
 
 
-def pooled(times: Dict[str, List[float]], members: Sequence[T.Runner]) -> List[float]:
-    """Per round, the mean step time of a configuration's Trainers: a Trainer's own bias (the same computation reads
-    a few per cent apart in two Trainers here, round after round) averages over them."""
-    return [statistics.mean(step) for step in zip(*(times[r.name] for r in members))]
+def per_trainer(times: Dict[str, List[float]], members: Sequence[T.Runner]) -> List[List[float]]:
+    """A configuration's seconds per round, one list per Trainer of it."""
+    return [times[r.name] for r in members]
+
+
+def compare(ours: Sequence[Sequence[float]], theirs: Sequence[Sequence[float]]) -> tuple:
+    """Ours / theirs over their Trainers (``_trainer.instances_ratio``: a Trainer's own bias averages over them), and
+    the range of the per-round ratios of every pair."""
+    ratios = [a / b for o in ours for t in theirs for a, b in zip(o, t)]
+    return T.instances_ratio(ours, theirs), min(ratios), max(ratios)
+
+
+def typical(times: Sequence[Sequence[float]]) -> float:
+    """A configuration's step: the mean over its Trainers of each one's median over rounds."""
+    return statistics.fmean(statistics.median(t) for t in times)
 
 
 def calibrate(r: T.Runner, limit: int) -> Dict[str, Any]:
@@ -228,9 +240,10 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
                      **({"twin": twins[pos]} if pos in twins else {})} for pos in budgets}
     groups = {pos: [r for rs in c.values() for r in rs] for pos, c in configs.items()}
     wall_each, cpu_each = T.interleave_groups(groups, args.rounds)
-    wall = {pos: {name: pooled(wall_each[pos], rs) for name, rs in c.items()} for pos, c in configs.items()}
-    cpu = {pos: {name: pooled(cpu_each[pos], rs) for name, rs in c.items()} for pos, c in configs.items()}
-    timed_modes = {pos: sorted({m for r in rs for m in r.modes[start[r.name] + 1:]}) for pos, rs in ours.items()}
+    wall = {pos: {name: per_trainer(wall_each[pos], rs) for name, rs in c.items()} for pos, c in configs.items()}
+    cpu = {pos: {name: per_trainer(cpu_each[pos], rs) for name, rs in c.items()} for pos, c in configs.items()}
+    # per Trainer of ours, the plans it ran during the timed rounds (more than one: its plan changed meanwhile)
+    timed_modes = {pos: [sorted(set(r.modes[start[r.name] + 1:])) for r in rs] for pos, rs in ours.items()}
     for r in [*anchors.values(), *(r for rs in [*timed.values(), *fixed.values(), *twins.values()] for r in rs)]:
         r.finish()
     reports, chosen = {}, {}
@@ -244,28 +257,29 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
     for pos, budget in budgets.items():
         w, c = wall[pos], cpu[pos]
         fitting = [p for p in anchors if act[p] <= budget]
-        fastest = min(candidates[pos], key=lambda p: statistics.median(w[p])) if candidates[pos] else None
+        fastest = min(candidates[pos], key=lambda p: typical(w[p])) if candidates[pos] else None
         plans = [list(r.modes[-1]) for r in ours[pos]]
         row = dict(position=pos, budget=budget, instances=k, modes=plans[0], instance_modes=plans,
-                   modes_timed=[list(m) for m in timed_modes[pos]], ours_s=statistics.median(w["ours"]),
-                   ours_mean_s=statistics.mean(w["ours"]), fixed_activations=fixed_act[pos],
+                   modes_timed=[[list(m) for m in each] for each in timed_modes[pos]], ours_s=typical(w["ours"]),
+                   ours_mean_s=statistics.fmean(x for t in w["ours"] for x in t), fixed_activations=fixed_act[pos],
                    calibration=calibration[pos][0], calibrations=calibration[pos], report=worst_report(reports[pos]),
                    reports=reports[pos], fastest=fastest, fitting=fitting, candidates=candidates[pos],
-                   times=wall_each[pos], pooled_times=w, budget_plan=chosen[pos],
+                   times=wall_each[pos], instance_times=w, budget_plan=chosen[pos],
                    calibrated_s=calibrated_seconds(chosen[pos]))
-        row["vs_fixed"] = T.paired(w["ours"], w["fixed"])
-        row["vs_fixed_cpu"] = T.paired(c["ours"], c["fixed"])
+        row["vs_fixed"] = compare(w["ours"], w["fixed"])
+        row["vs_fixed_cpu"] = compare(c["ours"], c["fixed"])
         if "twin" in w:  # the same policy in other Trainers: how far apart the same computation reads here
-            row["twin"] = [candidates[pos][0], *T.paired(w["twin"], w[candidates[pos][0]])]
-        row["added_ms"] = statistics.median(a - b for a, b in zip(c["ours"], c["fixed"])) * 1e3
+            row["twin"] = [candidates[pos][0], *compare(w["twin"], w[candidates[pos][0]])]
+        row["added_ms"] = statistics.fmean(statistics.median(a - b for a, b in zip(o, f))
+                                           for o in c["ours"] for f in c["fixed"]) * 1e3
         if fastest is not None:
-            row.update(fastest_s=statistics.median(w[fastest]), fastest_mean_s=statistics.mean(w[fastest]),
-                       ratio=T.paired(w["ours"], w[fastest]), cpu_ratio=T.paired(c["ours"], c[fastest]),
-                       fixed_vs_fastest=T.paired(w["fixed"], w[fastest]),
-                       ratio_of_means=statistics.mean(w["ours"]) / statistics.mean(w[fastest]),
-                       instance_ratios=[T.paired(wall_each[pos][r.name], w[fastest])[0] for r in ours[pos]])
+            row.update(fastest_s=typical(w[fastest]), fastest_mean_s=statistics.fmean(x for t in w[fastest] for x in t),
+                       ratio=compare(w["ours"], w[fastest]), cpu_ratio=compare(c["ours"], c[fastest]),
+                       fixed_vs_fastest=compare(w["fixed"], w[fastest]),
+                       instance_ratios=[T.instances_ratio([o], w[fastest]) for o in w["ours"]])
+            row["ratio_of_means"] = row["ours_mean_s"] / row["fastest_mean_s"]
             row["verdict"] = verdict(row["ratio"][0])
-            row["ratio_interval"] = T.median_interval(w["ours"], w[fastest])
+            row["ratio_interval"] = T.instances_interval(w["ours"], w[fastest])
             row["same_plan"] = all(p == list(anchors[fastest].modes[-1]) for p in plans)
         else:
             row["verdict"] = "no anchor fits"
@@ -279,7 +293,7 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
 
 def trainers(res: Dict[str, Any]) -> str:
     k = res["instances"]
-    return "one Trainer per configuration" if k == 1 else f"each configuration in {k} Trainers (their mean per round)"
+    return "one Trainer per configuration" if k == 1 else f"each configuration in {k} Trainers"
 
 
 def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: Callable[[str], str] = str) -> None:
@@ -307,7 +321,7 @@ def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: C
         log(f"{r['position']:>4.0%} {r['budget'] / MiB:>6.2f} MiB  {mix(r['modes']):<32}{r['ours_s'] * 1e3:>8.0f}  "
             f"{anchor}  {ratio:<22}{cpu}  {r['verdict']:<11}{worst:>22}{calib:>7}{pricing:>9}"
             f"{'  (the same plan)' if r.get('same_plan') else ''}")
-    log("where the time goes (median of per-round ratios):")
+    log("where the time goes (ratios: the median over rounds, averaged over pairs of Trainers):")
     for r in res["rows"]:
         parts = []
         if r.get("ratio_interval"):
@@ -332,8 +346,10 @@ def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: C
                 f"{v:.3f}" for v in r["instance_ratios"]))
         if len({tuple(m) for m in r["instance_modes"]}) > 1:
             parts.append("our Trainers' plans " + " / ".join(mix(m) for m in r["instance_modes"]))
-        if len(r["modes_timed"]) > 1:
-            parts.append("plan changed during the timed rounds: " + " / ".join(mix(m) for m in r["modes_timed"]))
+        for i, each in enumerate(r["modes_timed"]):
+            if len(each) > 1:
+                parts.append(f"the plan of our Trainer {i + 1} changed during the timed rounds: "
+                             + " / ".join(mix(m) for m in each))
         if r.get("calibrated_s"):
             parts.append("calibration priced a block's " + ", ".join(
                 f"{m} +{v * 1e3:.1f} ms" for m, v in sorted(r["calibrated_s"].items())))

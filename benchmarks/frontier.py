@@ -1,18 +1,20 @@
 """Issue 14 / issue 33: our ``budget:`` plan against the fixed modes the frameworks ship, at budgets between ``all`` and
 ``none``, side by side in one process; with ``--compile``, against torch.compile's own activation memory budget.
 
-**Eager rows** (the default): for each model (the demo GPT, a Hugging Face Llama built from its config) and precision,
-``benchmarks/budget.py``'s comparison, run as a user runs the plugin: every configuration is a ``lightning.Trainer``
-with ``ActivationCheckpointing(policy=...)`` on its own copy of the model, the steps of all of them interleaved one by
-one (``benchmarks/_trainer.py``). Budgets at ``--positions`` of the way from ``all``'s to ``none``'s activation figure
-(the callback's own per-step figure; default 25, 50 and 75 %); ours is ``policy="budget:<bytes>"``, timed after its
-calibration; the anchors are the fixed policies with the frameworks' names beside them: ``all`` (torchtitan
-``full``), ``first:K`` (Megatron ``full``/``block`` over K layers), ``every:N`` (Hugging Face ``every_n_layers``),
-``selective`` (the plugin's op-level selective: matmul and attention outputs kept, pointwise ops recomputed) and
-``none``. Per budget: ours / the fastest fitting anchor, the median of per-round ratios; PASS at ≤ 1.00, else MISS
-with its number; "(the same plan)" where our plan is that anchor's own plan (a ratio between the same computation is
-the machine's noise and the callback's per-step work). Beside it: the worst step against the budget (calibration
-included), the calibration's steps and the pricing time, from the callback's end-of-fit report.
+**Eager rows** (the default): for each model (the demo GPT, a Hugging Face Llama built from its config) and
+precision, ``benchmarks/budget.py``'s comparison, run as a user runs the plugin: every configuration is a
+``lightning.Trainer`` with ``ActivationCheckpointing(policy=...)`` on its own copy of the model, the steps of all of
+them interleaved one by one (``benchmarks/_trainer.py``), each configuration of the verdict in ``--instances``
+Trainers (default 3: one Trainer's own bias averages over them). Budgets at ``--positions`` of the way from ``all``'s
+to ``none``'s activation figure (the callback's own per-step figure; default 25, 50 and 75 %); ours is
+``policy="budget:<bytes>"``, timed after its calibration; the anchors are the fixed policies with the frameworks'
+names beside them: ``all`` (torchtitan ``full``), ``first:K`` (Megatron ``full``/``block`` over K layers),
+``every:N`` (Hugging Face ``every_n_layers``), ``selective`` (the plugin's op-level selective: matmul and attention
+outputs kept, pointwise ops recomputed) and ``none``. Per budget: ours / the fastest fitting anchor, the median of
+per-round ratios; PASS at ≤ 1.00, else MISS with its number; "(the same plan)" where our plan is that anchor's own
+plan (a ratio between the same computation is the machine's noise and the callback's per-step work). Beside it: the
+worst step against the budget (calibration included), the calibration's steps and the pricing time, from the
+callback's end-of-fit report.
 
 **Compiled rows** (``--compile [model,block,split]``; these rows only): per budget, the compiler's activation memory
 budget at the fraction budget / ``none``'s peak against our plan compiled, for the whole model compiled, for blocks

@@ -108,9 +108,8 @@ def test_budget_quick_prints_a_verdict_per_budget_with_its_number(tmp_path):
     assert case["instances"] == row["instances"] == 2 and len(row["calibrations"]) == len(row["reports"]) == 2
     assert len(row["instance_modes"]) == len(row["instance_ratios"]) == 2
     for name in ("ours", "fixed", row["fastest"], "twin"):
-        assert len(row["pooled_times"][name]) == case["rounds"], name
-    ours = [row["times"][n] for n in ("budget 50%", "budget 50% #2")]
-    assert row["pooled_times"]["ours"] == pytest.approx([(a + b) / 2 for a, b in zip(*ours)])
+        assert [len(t) for t in row["instance_times"][name]] == [case["rounds"]] * 2, name
+    assert row["instance_times"]["ours"] == [row["times"][n] for n in ("budget 50%", "budget 50% #2")]
     assert all(rep["worst_step_ratio"] <= 1.0 for rep in row["reports"])
     assert "each configuration in 2 Trainers" in proc.stdout
 
@@ -192,6 +191,21 @@ def test_a_miss_within_the_noise_is_still_a_miss_with_its_interval_beside_it():
     clear = trainer.median_interval([1.05, 1.06, 1.04, 1.07, 1.05], [1.0] * 5)
     assert clear[0] > 1.0 and not budget.within_noise(dict(verdict="MISS 1.050", ratio_interval=clear))
     assert not budget.within_noise(dict(verdict="PASS 0.990", ratio_interval=(0.95, 1.02)))
+
+
+def test_a_configuration_in_several_trainers_is_compared_over_every_pair_of_them():
+    """Each Trainer's own bias averages out (the geometric mean over pairs: a Trainer reading 2 x ours and one 0.5 x
+    give 1.00), a slow step is the median's (one 9 x round leaves the ratio at 1.00), and with one Trainer each the
+    ratio and its interval are those of the per-round ratios."""
+    trainer = _benchmark("_trainer")
+    assert trainer.instances_ratio([[2.0, 2.0, 2.0]], [[1.0, 1.0, 1.0], [4.0, 4.0, 4.0]]) == pytest.approx(1.0)
+    assert trainer.instances_ratio([[1.0, 1.0, 9.0], [3.0, 3.0, 3.0]], [[1.0] * 3, [3.0] * 3]) == pytest.approx(1.0)
+    assert trainer.instances_ratio([[1.0, 1.0, 9.0]], [[1.0] * 3]) == pytest.approx(1.0)
+    ours, theirs = [1.03, 0.97, 1.02, 0.99, 1.04], [1.0] * 5
+    assert trainer.instances_ratio([ours], [theirs]) == pytest.approx(1.02)
+    assert trainer.instances_interval([ours], [theirs]) == pytest.approx(trainer.median_interval(ours, theirs))
+    low, high = trainer.instances_interval([ours, [x * 0.9 for x in ours]], [theirs, theirs])
+    assert low <= trainer.instances_ratio([ours, [x * 0.9 for x in ours]], [theirs, theirs]) <= high < 1.02
 
 
 @pytest.mark.slow
