@@ -208,6 +208,35 @@ def test_a_configuration_in_several_trainers_is_compared_over_every_pair_of_them
     assert low <= trainer.instances_ratio([ours, [x * 0.9 for x in ours]], [theirs, theirs]) <= high < 1.02
 
 
+def test_grouped_rounds_step_every_member_once_in_a_new_order_each_round():
+    """``interleave_groups``: every member of a group steps once a round (a runner in two groups once in each), each
+    group's order changes from round to round (rotated, a runner would keep its neighbours), seeded."""
+    trainer = _benchmark("_trainer")
+
+    class Fake:
+        def __init__(self, name, log):
+            self.name, self.cpu, self.log = name, [], log
+
+        def run(self, steps):
+            self.log.append(self.name)
+            self.cpu.append(0.01)
+            return [0.1 * steps]
+
+    def schedule(seed):
+        log = []
+        shared = Fake("s", log)
+        groups = {"a": [Fake(f"a{i}", log) for i in range(4)] + [shared], "b": [Fake("b0", log), shared]}
+        wall, _ = trainer.interleave_groups(groups, rounds=6, warmup=1, seed=seed)
+        assert all(len(times) == 6 for g in wall.values() for times in g.values())
+        return log
+
+    log = schedule(0)
+    assert len(log) == 7 * (5 + 2) and log.count("s") == 14
+    rounds_a = [[n for n in log[i:i + 7] if n.startswith("a") or n == "s"] for i in range(0, len(log), 7)]
+    assert len({tuple(r) for r in rounds_a}) > 3  # the order inside the group changes
+    assert schedule(0) == log and schedule(1) != log
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_trainer_runners_take_turns_one_step_at_a_time():
