@@ -394,11 +394,11 @@ def compiled_rows(bench: Bench, budgets: Sequence[int], ends_memtracker: Tuple[i
                    ours_eager_peak=ours_eager, ours_memtracker_peak=ours[budget][1],
                    ours_peak=peaks["ours compiled"], modes=list(modes), block_seconds=calibration.block_seconds,
                    **_timing("ours", times["ours compiled"]), **_timing("compile", times["compile budget"]))
-        row["same_fraction_ratio"] = _paired(times["ours compiled"], times["compile budget"])
+        row["same_fraction_ratio"] = T.paired(times["ours compiled"], times["compile budget"])
         if fitting == "compile budget, lowered":
             row.update(lowered_fraction=variants[fitting][1], lowered_peak=peaks[fitting],
                        **_timing("lowered", times[fitting]))
-        row["ratio"] = _paired(times["ours compiled"], times[fitting]) if fitting else None
+        row["ratio"] = T.paired(times["ours compiled"], times[fitting]) if fitting else None
         row["verdict"] = ("MISS (over budget)" if not ours_fits else "PASS (no compiler fraction fits)"
                           if fitting is None else _verdict(row["ratio"][0]))
         rows.append(row)
@@ -407,12 +407,6 @@ def compiled_rows(bench: Bench, budgets: Sequence[int], ends_memtracker: Tuple[i
 
 def _timing(name: str, seconds: List[float]) -> Dict[str, Any]:
     return {f"{name}_s": statistics.median(seconds), f"{name}_range": [min(seconds), max(seconds)]}
-
-
-def _paired(ours: List[float], theirs: List[float]) -> Tuple[float, float, float]:
-    """Median over rounds of ours / theirs in the same round, and the range."""
-    paired = [o / t for o, t in zip(ours, theirs)]
-    return statistics.median(paired), min(paired), max(paired)
 
 
 def _verdict(ratio: float) -> str:
