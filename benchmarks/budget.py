@@ -16,7 +16,8 @@ configurations interleave (A/B/A/B, the order changed every round).
    that a difference splits into the plan's choice (fixed / anchor) and the callback's own per-step work
    (ours / fixed).
 5. **Screening**: one untimed round, then ``--screen`` rounds of one step each for every configuration; per budget,
-   the ``--candidates`` fitting anchors with the lowest median go on.
+   the ``--candidates`` fitting anchors with the lowest median go on, and any fitting anchor that runs one of our
+   plans (three screening rounds can leave out the anchor ours equals).
 6. **Verdict**: every configuration of it runs in ``--instances`` Trainers (default 3), because here the same
    computation in two Trainers reads a few per cent apart, round after round (a Trainer's own bias, not noise that
    more rounds average away); ours is calibrated in each of its Trainers. ``--rounds`` rounds in which, budget by
@@ -170,6 +171,13 @@ def typical(times: Sequence[Sequence[float]]) -> float:
     return statistics.fmean(statistics.median(t) for t in times)
 
 
+def with_our_plans(screened: Sequence[str], fitting: Sequence[str], modes: Dict[str, tuple],
+                   plans: Sequence[tuple]) -> List[str]:
+    """The anchors timed for a budget's verdict: the screening's fastest, then every fitting anchor that runs one of
+    our plans (a few screening rounds can leave out the very anchor ours equals)."""
+    return [*screened, *(p for p in fitting if modes[p] in plans and p not in screened)]
+
+
 def calibrate(r: T.Runner, limit: int) -> Dict[str, Any]:
     """Step ``r`` until its calibration is over (at most ``limit`` steps), then once more: its steps and seconds."""
     t0 = time.perf_counter()
@@ -228,6 +236,9 @@ def run_case(model_name: str, args, precision: str = "32-true", log: Callable[[s
     screen, _ = T.interleave(everyone, args.screen, warmup=1)
     candidates = {pos: sorted((p for p in anchors if act[p] <= budget), key=lambda p: statistics.median(screen[p]))
                   [:args.candidates] for pos, budget in budgets.items()}
+    modes = {p: tuple(r.modes[-1]) for p, r in anchors.items()}
+    candidates = {pos: with_our_plans(candidates[pos], [p for p in anchors if act[p] <= budget], modes,
+                                      [tuple(r.modes[-1]) for r in ours[pos]]) for pos, budget in budgets.items()}
     # each candidate in k Trainers; the noise floor: the likeliest fastest candidate in k Trainers more
     timed = {p: [anchors[p], *(runner(instance_name(p, i), p) for i in range(1, k))]
              for p in dict.fromkeys(p for c in candidates.values() for p in c)}

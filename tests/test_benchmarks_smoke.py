@@ -193,6 +193,18 @@ def test_a_miss_within_the_noise_is_still_a_miss_with_its_interval_beside_it():
     assert not budget.within_noise(dict(verdict="PASS 0.990", ratio_interval=(0.95, 1.02)))
 
 
+def test_the_anchor_that_runs_our_plan_is_timed_whatever_its_screening():
+    """A budget's verdict times the screening's fastest anchors and, after them, every fitting anchor that runs one
+    of our Trainers' plans: the anchor ours equals is never left out by a few noisy screening rounds."""
+    budget = _benchmark("budget")
+    modes = {"every:2": ("recompute", "off") * 2, "first:2": ("recompute",) * 2 + ("off",) * 2,
+             "all": ("recompute",) * 4, "first:1": ("recompute",) + ("off",) * 3}
+    ours = [("recompute", "recompute", "off", "off"), ("recompute", "off", "recompute", "off")]
+    assert budget.with_our_plans(["all"], ["every:2", "first:2", "all"], modes, ours) == ["all", "every:2", "first:2"]
+    assert budget.with_our_plans(["first:2"], ["first:1", "first:2"], modes, ours[:1]) == ["first:2"]
+    assert budget.with_our_plans(["all"], ["all"], modes, ours) == ["all"]  # first:2 does not fit: not timed
+
+
 def test_a_configuration_in_several_trainers_is_compared_over_every_pair_of_them():
     """Each Trainer's own bias averages out (the geometric mean over pairs: a Trainer reading 2 x ours and one 0.5 x
     give 1.00), a slow step is the median's (one 9 x round leaves the ratio at 1.00), and with one Trainer each the
