@@ -24,6 +24,7 @@ import io
 import json
 import math
 import os
+import random
 import statistics
 import tempfile
 import threading
@@ -246,8 +247,6 @@ def interleave_groups(groups: Dict[Any, Sequence[Runner]], rounds: int, warmup: 
     2026-12-08, rotated, the Llama's ``first:3`` in three Trainers read 6 % faster than ``first:3`` in three others
     placed elsewhere in the group, over 27 rounds). Per group, per runner: the wall and process CPU seconds of its
     step in each timed round."""
-    import random
-
     rng = random.Random(seed)
     wall = {g: {r.name: [] for r in members} for g, members in groups.items()}
     cpu = {g: {r.name: [] for r in members} for g, members in groups.items()}
@@ -292,8 +291,6 @@ def instances_interval(ours: Sequence[Sequence[float]], theirs: Sequence[Sequenc
                        seed: int = 0) -> Tuple[float, float]:
     """The 95 % bootstrap interval of :func:`instances_ratio` (rounds resampled with replacement, seeded): how far it
     could move on another run of the same rounds on this machine."""
-    import random
-
     rng = random.Random(seed)
     rounds = range(len(ours[0]))
     values = []
@@ -302,12 +299,6 @@ def instances_interval(ours: Sequence[Sequence[float]], theirs: Sequence[Sequenc
         values.append(instances_ratio([[o[i] for i in pick] for o in ours], [[t[i] for i in pick] for t in theirs]))
     values.sort()
     return values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
-
-
-def median_interval(ours: Sequence[float], theirs: Sequence[float], resamples: int = 2000, seed: int = 0
-                    ) -> Tuple[float, float]:
-    """The 95 % bootstrap interval of the median over rounds of ours / theirs, one Trainer each."""
-    return instances_interval([ours], [theirs], resamples, seed)
 
 
 def measured_activations(runner: Runner) -> Optional[int]:

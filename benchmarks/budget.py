@@ -362,7 +362,7 @@ def print_case(res: Dict[str, Any], log: Callable[[str], None] = print, label: C
                 parts.append(f"the plan of our Trainer {i + 1} changed during the timed rounds: "
                              + " / ".join(mix(m) for m in each))
         if r.get("calibrated_s"):
-            parts.append("calibration priced a block's " + ", ".join(
+            parts.append("our first Trainer's calibration priced a block's " + ", ".join(
                 f"{m} +{v * 1e3:.1f} ms" for m, v in sorted(r["calibrated_s"].items())))
         cals = r["calibrations"]
         parts.append(f"calibration {', '.join(str(c['steps']) for c in cals)} steps in "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -184,11 +186,11 @@ def test_a_miss_within_the_noise_is_still_a_miss_with_its_interval_beside_it():
     beside the MISS, which stays one; rounds all clearly above give an interval above 1.00 (a plain MISS)."""
     budget, trainer = _benchmark("budget"), _benchmark("_trainer")
     straddling = [1.03, 0.97, 1.02, 0.99, 1.04, 0.98, 1.01]
-    low, high = trainer.median_interval(straddling, [1.0] * len(straddling))
+    low, high = trainer.instances_interval([straddling], [[1.0] * len(straddling)])
     assert low < 1.0 < high
     row = dict(verdict=budget.verdict(1.01), ratio_interval=(low, high))
     assert row["verdict"] == "MISS 1.010" and budget.within_noise(row)
-    clear = trainer.median_interval([1.05, 1.06, 1.04, 1.07, 1.05], [1.0] * 5)
+    clear = trainer.instances_interval([[1.05, 1.06, 1.04, 1.07, 1.05]], [[1.0] * 5])
     assert clear[0] > 1.0 and not budget.within_noise(dict(verdict="MISS 1.050", ratio_interval=clear))
     assert not budget.within_noise(dict(verdict="PASS 0.990", ratio_interval=(0.95, 1.02)))
 
@@ -215,7 +217,9 @@ def test_a_configuration_in_several_trainers_is_compared_over_every_pair_of_them
     assert trainer.instances_ratio([[1.0, 1.0, 9.0]], [[1.0] * 3]) == pytest.approx(1.0)
     ours, theirs = [1.03, 0.97, 1.02, 0.99, 1.04], [1.0] * 5
     assert trainer.instances_ratio([ours], [theirs]) == pytest.approx(1.02)
-    assert trainer.instances_interval([ours], [theirs]) == pytest.approx(trainer.median_interval(ours, theirs))
+    rng, ratios = random.Random(0), [a / b for a, b in zip(ours, theirs)]  # one Trainer each: the rounds' bootstrap
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    assert trainer.instances_interval([ours], [theirs]) == pytest.approx((medians[50], medians[1949]))
     low, high = trainer.instances_interval([ours, [x * 0.9 for x in ours]], [theirs, theirs])
     assert low <= trainer.instances_ratio([ours, [x * 0.9 for x in ours]], [theirs, theirs]) <= high < 1.02
 
